@@ -1476,6 +1476,50 @@ async fn keep_alives_without_output_for_the_idle_timeout_are_a_timeout() {
     assert!(error.message.contains("only keep-alives"), "{}", error.message);
 }
 
+/// Anthropic keeps a stream alive with `ping` events, and a gateway may send events with no
+/// data: a stream of nothing else for five times the idle timeout is one that stalled, and
+/// fails as the SSE comments' does. (Before, each such event counted as the response moving,
+/// and a stalled stream that kept pinging held the turn until the submission's timeout.)
+#[tokio::test]
+async fn ping_and_empty_events_without_output_are_keep_alives_too() {
+    let server = FixtureServer::start().await;
+    let mut events = vec![
+        AnthropicEvent::MessageStart(Usage::default()),
+        AnthropicEvent::TextStart { index: 0 },
+        AnthropicEvent::TextDelta {
+            index: 0,
+            text: "first".into(),
+        },
+    ];
+    for _ in 0..40 {
+        events.push(AnthropicEvent::Pause(Duration::from_millis(100)));
+        events.push(AnthropicEvent::Ping);
+    }
+    events.push(AnthropicEvent::TextDelta {
+        index: 0,
+        text: " late".into(),
+    });
+    server.push(FixtureReply::anthropic_events(events));
+    let mut chunks = vec![OpenAiChunk::Text("first".into())];
+    for _ in 0..40 {
+        chunks.push(OpenAiChunk::Pause(Duration::from_millis(100)));
+        chunks.push(OpenAiChunk::Raw(String::new()));
+    }
+    chunks.extend([OpenAiChunk::Text(" late".into()), OpenAiChunk::Finish("stop".into())]);
+    server.push(FixtureReply::openai_chunks(chunks));
+    // 4 s of keep-alives; 1.5 s allowed.
+    let idle = Duration::from_millis(300);
+    for provider in [
+        &anthropic(&server).with_idle_timeout(idle) as &dyn ModelProvider,
+        &openai(&server, "FLUE_TEST_KEY_EMPTY_EVENTS").with_idle_timeout(idle),
+    ] {
+        let (events, error) = fail(provider, request("hi")).await;
+        assert_eq!(text_deltas(&events), ["first"]);
+        assert_eq!(error.kind, ProviderErrorKind::Timeout);
+        assert!(error.message.contains("only keep-alives"), "{}", error.message);
+    }
+}
+
 /// Keep-alives between outputs, each gap shorter than the idle timeout, end nothing: the wait
 /// counts from the last output.
 #[tokio::test]
@@ -2097,6 +2141,109 @@ async fn anthropic_sends_another_providers_tool_call_ids_in_a_form_it_accepts() 
             "{id}"
         );
     }
+}
+
+/// A history holding the call `calls` made and their results (`is_error` for each made-up
+/// tool's), after the user's question.
+fn history_of_calls(calls: &[(&str, &str)]) -> Vec<ModelMessage> {
+    let mut messages = vec![
+        ModelMessage::user("q"),
+        ModelMessage::Assistant {
+            text: String::new(),
+            tool_calls: calls.iter().map(|(id, name)| call(id, name, "{}")).collect(),
+            reasoning: Vec::new(),
+        },
+    ];
+    for (id, name) in calls {
+        messages.push(ModelMessage::Tool {
+            tool_call_id: (*id).into(),
+            name: (*name).into(),
+            content: "5".into(),
+            is_error: *name != "add",
+        });
+    }
+    messages
+}
+
+fn accepted_name(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+/// A model may call a tool nobody offered by a name no provider accepts (GPT-4o now and then
+/// calls `multi_tool_use.parallel`). The call has its error result; the history sends its name
+/// in a form OpenAI and Anthropic accept, where sent as it was each later call of the
+/// conversation would be refused with a 400. Offered tools' names are sent as they are.
+#[tokio::test]
+async fn a_made_up_tool_name_in_the_history_is_sent_in_a_form_each_provider_accepts() {
+    let calls = [
+        ("call_1", "multi_tool_use.parallel"),
+        ("call_2", "add"),
+        ("call_3", "multi_tool_use:parallel"),
+    ];
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("Done."));
+    server.push(FixtureReply::anthropic_text("Done."));
+    for provider in [
+        &openai(&server, "FLUE_TEST_UNUSED_KEY") as &dyn ModelProvider,
+        &anthropic(&server),
+    ] {
+        let mut request = request("q");
+        request.messages = history_of_calls(&calls).into();
+        complete(provider, request).await;
+    }
+    let requests = server.requests();
+    let openai_names: Vec<&str> = requests[0].body["messages"][1]["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|call| call["function"]["name"].as_str().unwrap())
+        .collect();
+    let anthropic_names: Vec<&str> = requests[1].body["messages"][1]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|block| block["name"].as_str().unwrap())
+        .collect();
+    for names in [&openai_names, &anthropic_names] {
+        assert!(names.iter().all(|name| accepted_name(name)), "{names:?}");
+        assert_eq!(names[1], "add", "an offered tool's name is sent as it is");
+        assert!(names[0].starts_with("multi_tool_use_parallel_"), "{names:?}");
+        assert_ne!(names[0], names[2], "two made-up names stay two");
+    }
+    assert_eq!(openai_names, anthropic_names, "the same form for both");
+}
+
+/// OpenAI refuses a history whose tool-call ids are longer than 40 characters; other servers
+/// make longer ones (vLLM's are 46). A conversation that goes on with OpenAI sends such a call
+/// and its result under one id of 40 characters, distinct from every other call's; shorter
+/// ids are sent as they are.
+#[tokio::test]
+async fn openai_sends_another_servers_long_tool_call_ids_cut_to_forty_characters() {
+    let server = FixtureServer::start().await;
+    server.push(FixtureReply::openai_text("Done."));
+    let long = "chatcmpl-tool-0123456789abcdef0123456789abcdef";
+    let longer = "chatcmpl-tool-0123456789abcdef0123456789abcdeg";
+    let calls = [(long, "add"), (longer, "add"), ("functions.add:0", "add")];
+    let mut request = request("q");
+    request.messages = history_of_calls(&calls).into();
+    complete(&openai(&server, "FLUE_TEST_UNUSED_KEY"), request).await;
+    let body = &server.requests()[0].body;
+    let sent: Vec<&str> = body["messages"][1]["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|call| call["id"].as_str().unwrap())
+        .collect();
+    let answered: Vec<&str> = (2..5)
+        .map(|at| body["messages"][at]["tool_call_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(sent, answered, "each result answers its call");
+    assert_eq!(
+        sent[2], "functions.add:0",
+        "an id of 40 characters or fewer is sent as it is"
+    );
+    assert!(sent[..2].iter().all(|id| id.len() == 40), "{sent:?}");
+    assert_ne!(sent[0], sent[1]);
 }
 
 /// Claude Fable 5.1 and later bind each thinking block to the system prompt, tools and

@@ -78,6 +78,7 @@ use super::types::{
     ContentAt, ModelMessage, ModelProvider, ModelRequest, ModelResponse, ModelStream, ModelToolCall, ProviderError,
     ProviderErrorKind, ReasoningBlock, StopReason, StreamEvent,
 };
+use super::wire_names;
 
 /// The API version sent as `anthropic-version`.
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
@@ -614,7 +615,7 @@ enum Block<'a> {
     },
     ToolUse {
         id: Cow<'a, str>,
-        name: &'a str,
+        name: Cow<'a, str>,
         input: &'a RawValue,
     },
     ToolResult {
@@ -632,23 +633,10 @@ struct ImageSource<'a> {
     data: &'a str,
 }
 
-/// A tool call's id as Anthropic accepts it (`^[a-zA-Z0-9_-]+$`). Another provider's ids
-/// can have other characters (Kimi writes `functions.add:0`), and one in the history would
-/// fail every later call of the conversation with a 400. Such an id has them replaced and a
-/// hash of the whole id appended, so distinct ids stay distinct, and a call and its result
-/// (mapped alike) still match.
+/// A tool call's id as Anthropic accepts it (`^[a-zA-Z0-9_-]+$`): another provider's ids
+/// can have other characters (Kimi writes `functions.add:0`); see [`wire_names`].
 fn tool_use_id(id: &str) -> Cow<'_, str> {
-    let allowed = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
-    if !id.is_empty() && id.chars().all(allowed) {
-        return Cow::Borrowed(id);
-    }
-    // FNV-1a: the same on every node and every run.
-    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    let mut mapped: String = id.chars().map(|c| if allowed(c) { c } else { '_' }).collect();
-    mapped.push_str(&format!("_{hash:016x}"));
-    Cow::Owned(mapped)
+    wire_names::conforming(id, true, usize::MAX)
 }
 
 /// The thinking budget of a level (`None` for `Off`).
@@ -822,7 +810,7 @@ fn assistant_blocks<'a>(text: &'a str, calls: &'a [ModelToolCall], reasoning: &'
     });
     let tool_use = |call: &'a ModelToolCall| Block::ToolUse {
         id: tool_use_id(&call.id),
-        name: &call.name,
+        name: wire_names::tool_name(&call.name),
         input: tool_input(call),
     };
     let mut blocks = Vec::with_capacity(signed.len() + calls.len() + 1);
@@ -1217,7 +1205,7 @@ impl SseDecoder for MessagesDecoder {
     fn event(&mut self, event: &Event<'_>, out: &mut VecDeque<StreamEvent>) -> Result<Flow, ProviderError> {
         let data = event.data.trim();
         if data.is_empty() {
-            return Ok(Flow::Continue);
+            return Ok(Flow::KeepAlive);
         }
         // The hot event (one per streamed fragment) is decoded without a `Value` tree.
         if event.event == "content_block_delta"
@@ -1240,6 +1228,8 @@ impl SseDecoder for MessagesDecoder {
         let data = parse_event_json(&self.ctx, data)?;
         let kind = data.get("type").and_then(Value::as_str).unwrap_or(event.event);
         match kind {
+            // Anthropic's keep-alive: a stream of nothing else is one that stalled.
+            "ping" => return Ok(Flow::KeepAlive),
             "message_start" => {
                 if let Some(usage) = data.get("message").and_then(|m| m.get("usage")) {
                     self.usage(usage);

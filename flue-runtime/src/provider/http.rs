@@ -1170,6 +1170,9 @@ pub(crate) fn ended_early(ctx: &CallContext) -> ProviderError {
 pub(crate) enum Flow {
     /// Read on.
     Continue,
+    /// Read on: the event was a keep-alive (Anthropic's `ping`, an event with no data), which
+    /// moves the response no more than an SSE comment does (see [`Driver::quiet`]).
+    KeepAlive,
     /// The response is complete (the decoder pushed `Completed`); stop reading.
     Done,
 }
@@ -1284,9 +1287,10 @@ struct Driver<D> {
     /// How many times the call was retried before its response started: an error of the
     /// stream carries them too, so the turn loop's retries and these never pass its budget.
     retried: u32,
-    /// How long the body was waited on since its last event: SSE comments (the keep-alives a
-    /// gateway sends while its upstream is queued or stuck) reset the idle timeout of the
-    /// bytes, not this; past [`keep_alive_limit`] of `idle` the call fails.
+    /// How long the body was waited on since its last event that was not a keep-alive: SSE
+    /// comments (the keep-alives a gateway sends while its upstream is queued or stuck) and
+    /// keep-alive events ([`Flow::KeepAlive`]: Anthropic's `ping`) reset the idle timeout of
+    /// the bytes, not this; past [`keep_alive_limit`] of `idle` the call fails.
     quiet: Duration,
 }
 
@@ -1318,14 +1322,12 @@ impl<D: SseDecoder> Driver<D> {
                     Err(error) => self.fail(error),
                 },
                 Phase::Reading(body) => match self.parser.next_event() {
-                    Ok(Some(event)) => {
-                        self.quiet = Duration::ZERO;
-                        match self.decoder.event(&event, &mut self.out) {
-                            Ok(Flow::Continue) => {}
-                            Ok(Flow::Done) => self.phase = Phase::Finished,
-                            Err(error) => self.fail(error),
-                        }
-                    }
+                    Ok(Some(event)) => match self.decoder.event(&event, &mut self.out) {
+                        Ok(Flow::Continue) => self.quiet = Duration::ZERO,
+                        Ok(Flow::KeepAlive) => {}
+                        Ok(Flow::Done) => self.phase = Phase::Finished,
+                        Err(error) => self.fail(error),
+                    },
                     Ok(None) if self.quiet > keep_alive_limit(self.idle) => {
                         let error = self.only_keep_alives();
                         self.fail(error);
@@ -1506,10 +1508,11 @@ fn driver<D: SseDecoder>(connect: Connect, decoder: D, idle: Duration, ctx: Call
     }
 }
 
-/// How long a streamed response may send only keep-alives (SSE comments): five times the idle
-/// timeout, at most ten minutes more than it (10 minutes for the default 120 s). Longer than a
-/// silent server gets, since a gateway's upstream may be queued; bounded, since a stuck one
-/// would otherwise hold the turn until the submission's own timeout (an hour by default).
+/// How long a streamed response may send only keep-alives (SSE comments, keep-alive events):
+/// five times the idle timeout, at most ten minutes more than it (10 minutes for the default
+/// 120 s). Longer than a silent server gets, since a gateway's upstream may be queued; bounded,
+/// since a stuck one would otherwise hold the turn until the submission's own timeout (an hour
+/// by default).
 fn keep_alive_limit(idle: Duration) -> Duration {
     idle.saturating_mul(5)
         .min(idle.saturating_add(Duration::from_secs(600)))

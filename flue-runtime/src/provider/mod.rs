@@ -13,6 +13,7 @@ pub mod registry;
 pub(crate) mod sse;
 mod text;
 mod tool_json;
+mod wire_names;
 
 pub(crate) use complete::{CallError, call_observed, complete};
 pub use http::RetryPolicy;

@@ -55,6 +55,7 @@
 
 mod chunk;
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,6 +77,7 @@ use super::http::{
 };
 use super::sse::Event;
 use super::tool_json::{Declarations, ToolJson};
+use super::wire_names;
 use chunk::{CallView, ChunkView, Text, UsageView};
 
 use super::types::{
@@ -469,10 +471,10 @@ fn chat_message(message: &ModelMessage, echo: Echo) -> ChatMessage<'_> {
             tool_calls: tool_calls
                 .iter()
                 .map(|call| ChatToolCall {
-                    id: &call.id,
+                    id: call_id(&call.id),
                     kind: "function",
                     function: ChatFunction {
-                        name: &call.name,
+                        name: wire_names::tool_name(&call.name),
                         arguments: sent_arguments(call),
                     },
                 })
@@ -480,8 +482,17 @@ fn chat_message(message: &ModelMessage, echo: Echo) -> ChatMessage<'_> {
         },
         ModelMessage::Tool {
             tool_call_id, content, ..
-        } => ChatMessage::Tool { tool_call_id, content },
+        } => ChatMessage::Tool {
+            tool_call_id: call_id(tool_call_id),
+            content,
+        },
     }
+}
+
+/// A tool call's id as OpenAI accepts it in the history: at most 40 characters. Ids other
+/// servers made can be longer (vLLM's are 46); see [`wire_names`].
+fn call_id(id: &str) -> Cow<'_, str> {
+    wire_names::conforming(id, false, 40)
 }
 
 /// A tool call's arguments as sent back to the model: as it wrote them when they are a JSON
@@ -549,7 +560,7 @@ enum ChatMessage<'a> {
         tool_calls: Vec<ChatToolCall<'a>>,
     },
     Tool {
-        tool_call_id: &'a str,
+        tool_call_id: Cow<'a, str>,
         content: &'a str,
     },
 }
@@ -577,7 +588,7 @@ struct ImageUrl {
 
 #[derive(Serialize)]
 struct ChatToolCall<'a> {
-    id: &'a str,
+    id: Cow<'a, str>,
     #[serde(rename = "type")]
     kind: &'static str,
     function: ChatFunction<'a>,
@@ -585,7 +596,7 @@ struct ChatToolCall<'a> {
 
 #[derive(Serialize)]
 struct ChatFunction<'a> {
-    name: &'a str,
+    name: Cow<'a, str>,
     arguments: &'a str,
 }
 
@@ -1316,7 +1327,7 @@ impl SseDecoder for ChatDecoder {
             return Ok(Flow::Done);
         }
         if data.is_empty() {
-            return Ok(Flow::Continue);
+            return Ok(Flow::KeepAlive);
         }
         // Before any parse of it: the error event's, the typed chunk's and the `Value` one's.
         check_event_shape(&self.ctx, data)?;
