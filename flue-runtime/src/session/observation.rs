@@ -108,8 +108,15 @@ impl ToolCallObserver {
     /// More argument text for the call at stream `index`.
     pub(crate) fn arguments(&mut self, index: usize, delta: &str) -> Option<Started> {
         let call = self.call_mut(index)?;
+        // Kept only while something reads them: until the call is announced (its start carries
+        // what came before it), and while they are scanned for its progress argument. The
+        // provider keeps the whole arguments; a second copy of a large one would double it.
+        let started = !call.id.is_empty();
+        if call.fired || (started && call.arguments.len() > SCAN_LIMIT) {
+            return None;
+        }
         call.arguments.push_str(delta);
-        if call.fired || call.progress_argument.is_none() {
+        if call.progress_argument.is_none() {
             return None;
         }
         Self::check(call)
@@ -339,6 +346,27 @@ mod tests {
             observer.finish(&response(&[("c1", "plain", "{\"x\":1}")])).is_empty(),
             "once"
         );
+    }
+
+    /// The observer keeps a call's arguments only while it reads them: not once the call is
+    /// announced, nor past the scan's limit. (Before, it kept a second copy of every call's
+    /// arguments for the whole stream, beside the provider's.)
+    #[test]
+    fn arguments_are_kept_only_while_the_observer_reads_them() {
+        let mut observer = ToolCallObserver::new(&tools());
+        assert!(observer.started(0, "c1", "plain").is_some());
+        let chunk = "y".repeat(1024);
+        for _ in 0..64 {
+            assert_eq!(observer.arguments(0, &chunk), None);
+        }
+        assert_eq!(observer.calls[0].arguments, "", "not kept once announced");
+        // A call scanned for its progress argument stops being kept past the scan's limit.
+        assert_eq!(observer.started(1, "c2", "lookup"), None);
+        assert_eq!(observer.arguments(1, "{\"note\": \""), None);
+        for _ in 0..64 {
+            assert_eq!(observer.arguments(1, &chunk), None);
+        }
+        assert!(observer.calls[1].arguments.len() <= SCAN_LIMIT + chunk.len());
     }
 
     /// A provider of the registry (a user's) may number its calls as it likes: a huge or
