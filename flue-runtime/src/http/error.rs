@@ -250,14 +250,15 @@ impl ApiError {
         )
     }
 
-    /// 503 `server_busy` (with `Retry-After: 1`): an SSE reader catching up on its own found no
-    /// room among the folds such readers hold at once
+    /// 503 `server_busy` (with `Retry-After: 1`): a read that folds the conversation itself
+    /// (an SSE reader catching up on its own, a read the updates cache does not serve) found
+    /// no room among the folds such reads hold at once
     /// ([`HttpOptions::max_reader_fold_bytes`](super::HttpOptions::max_reader_fold_bytes)).
     pub fn readers_busy() -> Self {
         Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_busy",
-            "The server holds as much of the conversations its readers catch up on as it may.",
+            "The server holds as much of the conversations its readers read as it may.",
             "Retry shortly.",
         )
     }

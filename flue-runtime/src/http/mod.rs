@@ -172,14 +172,18 @@ pub struct HttpOptions {
     /// clients that send this much and then trickle keep others' messages out until then.
     /// Shared by the agents of one [`router_with`]; each [`agent_router`] has its own.
     pub max_buffered_request_bytes: usize,
-    /// About how many bytes SSE readers that catch up on their own hold at once, all readers
-    /// together (512 MiB, at most 4 GiB). A reader whose offset is before the updates cache's
-    /// window folds the conversation up to its offset itself, and holds that fold and a page
-    /// of batches until the instance's live feed serves it, at the pace its client takes
-    /// bytes. One that finds no room is answered 503 `server_busy` (with `Retry-After`); one
-    /// whose fold outgrows the room left ends its response (its client resumes from its last
-    /// offset). A fold larger than the whole room takes all of it, once the others are done.
-    /// Shared by the agents of one [`router_with`]; each [`agent_router`] has its own.
+    /// About how many bytes the reads that fold a conversation themselves hold at once, all
+    /// readers together (512 MiB, at most 4 GiB). An SSE reader whose offset is before the
+    /// updates cache's window folds the conversation up to its offset itself, and holds that
+    /// fold and a page of batches until the instance's live feed serves it, at the pace its
+    /// client takes bytes. A JSON, long-poll or `view=history` read that the cache does not
+    /// serve holds its fold while it is made and answered, and so does the read that fills an
+    /// instance's cache entry (readers who come at once wait for that one, and read what it
+    /// made). One that finds no room is answered 503 `server_busy` (with `Retry-After`), before
+    /// it reads any batch; an SSE reader whose fold outgrows the room left ends its response
+    /// (its client resumes from its last offset). A fold larger than the whole room takes all
+    /// of it, once the others are done. Shared by the agents of one [`router_with`]; each
+    /// [`agent_router`] has its own.
     pub max_reader_fold_bytes: usize,
     /// How long a connection served by [`serve`] may take to send a request's head, and how
     /// long it may stay idle between requests (30 s); then it is closed. Keep it well above a
@@ -282,7 +286,7 @@ struct Routes {
     /// Room for the bytes of message bodies being read and parsed, in bytes
     /// ([`HttpOptions::max_buffered_request_bytes`]).
     bodies: Arc<tokio::sync::Semaphore>,
-    /// Room for catching-up SSE readers' own folds, in bytes
+    /// Room for the folds readers make themselves, in bytes
     /// ([`HttpOptions::max_reader_fold_bytes`]).
     folds: reads::FoldRoom,
 }

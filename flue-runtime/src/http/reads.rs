@@ -182,7 +182,8 @@ fn read_of(query: Option<&str>) -> Result<Read, ApiError> {
     }
 }
 
-/// Room for the folds and pages SSE readers catching up on their own hold, in bytes
+/// Room for the folds and pages reads make themselves (SSE readers catching up on their own,
+/// reads the updates cache does not serve, the read filling an entry), in bytes
 /// ([`HttpOptions::max_reader_fold_bytes`]).
 #[derive(Clone)]
 pub(super) struct FoldRoom {
