@@ -4,17 +4,21 @@
 //! name cannot hold become `_`).
 //!
 //! - **Listing.** A server that repeats a `tools/list` cursor is refused (its listing would
-//!   never end). A connection's `tools` list mounts those tools, in its order: a name the
-//!   server does not list, or one named twice, refuses the server (a typo must not quietly
-//!   leave the model without the tool).
+//!   never end), and so is one whose listing does not parse as MCP's schema reads it (the
+//!   client reads a page whole: one tool without an object `inputSchema` refuses the page).
+//!   The cursors count with the tools against the listing's bound. A connection's `tools`
+//!   list mounts those tools, in its order: a name the server does not list, or one named
+//!   twice, refuses the server (a typo must not quietly leave the model without the tool).
 //! - **Schemas.** A tool's input schema without `type` is an object's, and one without
 //!   `properties` has none (as the reference reads them). Its root is declared without the
 //!   keywords providers refuse there (`anyOf`, `oneOf`, `allOf`, `not`, `enum`: every request
 //!   would fail), the properties of their branches becoming the root's; the server checks the
-//!   rest when called. A tool whose schema is not a valid
-//!   JSON Schema, whose root is not an object, or which is larger than 64 KiB (declared in every
-//!   model request), refuses the server when the connection names it, and is otherwise left
-//!   out with a warning (the server's other tools are mounted). A description is cut to 8 KiB,
+//!   rest when called. An array that says nothing of its items is declared with `items` of
+//!   any value (OpenAI refuses every request declaring one without). A tool whose schema is
+//!   not a valid JSON Schema, whose root is not an object, or which is larger than 64 KiB
+//!   (declared in every model request), refuses the server when the connection names it, and
+//!   is otherwise left out with a warning (the server's other tools are mounted). A
+//!   description is cut to 8 KiB,
 //!   and says which server's tool it is under its own name (and its title). A schema whose
 //!   choices would take too long to read is one the tool cannot be called with. A server that
 //!   would mount more than 128 tools (what OpenAI takes in a whole request), or 1 MiB of
@@ -61,7 +65,10 @@
 //!   `resource="mcp"`) before its first call.
 //! - **Secrets.** The bearer token (`auth`) goes only into the requests' `Authorization`
 //!   header, and a URL quoted in an error (the server's own, as a connection error names it) is
-//!   quoted without its userinfo, query and fragment, where a token may sit too.
+//!   quoted without its userinfo, query and fragment, where a token may sit too. The MCP
+//!   client library logs its own request failures under the `rmcp` target with the URL and
+//!   error bodies whole: an application with a `tracing` subscriber of its own turns that
+//!   target off, as [`cli::log_to_stderr`](crate::cli::log_to_stderr) does.
 
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
@@ -578,21 +585,38 @@ const MAX_LISTED_PAGES: usize = 100;
 /// together, as listed (before the bounds each mounted tool is held to).
 const MAX_LISTED_BYTES: usize = 16 * 1024 * 1024;
 
+/// Why a server whose `tools/list` answer did not parse is unavailable. rmcp reads a page
+/// whole, so one tool it cannot read refuses the page, and does not say which.
+const NOT_A_TOOLS_PAGE: &str = "its tools/list answer is not a page of tools as MCP's schema reads one (one tool \
+                                it cannot read, one without an object inputSchema say, fails the whole page)";
+
 /// Every page of the server's tools. A server that repeats a cursor would be listed for ever
 /// (each page kept): it is refused, as one listing more than [`MAX_LISTED_TOOLS`] tools or
 /// [`MAX_LISTED_PAGES`] pages.
 /// Every tool the server lists, page after page; on failure, why, and whether the transport
 /// failed (rather than the server answering what is not kept).
 async fn list_tools(client: &RunningService<RoleClient, ()>) -> Result<Vec<rmcp::model::Tool>, (String, bool)> {
+    let too_many_bytes = || {
+        (
+            format!(
+                "its tools' names, descriptions and input schemas, and its listing's cursors, take more than {} MiB",
+                MAX_LISTED_BYTES >> 20
+            ),
+            false,
+        )
+    };
     let mut tools = Vec::new();
     let mut listed_bytes = 0;
     let mut cursors = std::collections::HashSet::new();
     let mut cursor = None;
     for _ in 0..MAX_LISTED_PAGES {
         let params = cursor.map(|cursor| PaginatedRequestParams::default().with_cursor(Some(cursor)));
-        let page = client.list_tools(params).await.map_err(|error| {
-            let transport = !matches!(error, rmcp::ServiceError::McpError(_));
-            (error.to_string(), transport)
+        let page = client.list_tools(params).await.map_err(|error| match error {
+            // The server answered, with what is no page of tools as MCP's schema reads one: a
+            // session made afresh would be answered the same.
+            rmcp::ServiceError::UnexpectedResponse => (NOT_A_TOOLS_PAGE.to_owned(), false),
+            rmcp::ServiceError::McpError(_) => (error.to_string(), false),
+            _ => (error.to_string(), true),
         })?;
         for mut tool in page.tools {
             // What is mounted is a tool's name, title, description and input schema: the rest goes as
@@ -607,18 +631,17 @@ async fn list_tools(client: &RunningService<RoleClient, ()>) -> Result<Vec<rmcp:
                 + tool.description.as_deref().map_or(0, str::len)
                 + crate::json_shape::json_bytes(&*tool.input_schema);
             if listed_bytes > MAX_LISTED_BYTES {
-                return Err((
-                    format!(
-                        "its tools' names, descriptions and input schemas take more than {} MiB",
-                        MAX_LISTED_BYTES >> 20
-                    ),
-                    false,
-                ));
+                return Err(too_many_bytes());
             }
             tools.push(tool);
         }
         if tools.len() > MAX_LISTED_TOOLS {
             return Err((format!("it lists more than {MAX_LISTED_TOOLS} tools"), false));
+        }
+        // The cursors are kept (to refuse a repeated one) and sent back: they count too.
+        listed_bytes += page.next_cursor.as_deref().map_or(0, str::len);
+        if listed_bytes > MAX_LISTED_BYTES {
+            return Err(too_many_bytes());
         }
         match page.next_cursor {
             None => return Ok(tools),
@@ -708,11 +731,42 @@ fn short(text: &str) -> String {
 /// A tool's input schema as the reference reads it (without `type`, an object's; an object's
 /// without `properties`, with none), and as providers take it
 /// ([`flue_core::data::declarable_tool_schema`]: no combinator at its root; what the
-/// combinators said the server checks when called).
+/// combinators said the server checks when called; [`items_for_arrays`]).
 fn input_schema(listed: &serde_json::Map<String, Value>) -> Result<Value, flue_core::data::TooIntricate> {
     let mut schema = listed.clone();
     flue_core::data::declarable_tool_schema(&mut schema)?;
-    Ok(Value::Object(schema))
+    let mut schema = Value::Object(schema);
+    items_for_arrays(&mut schema);
+    Ok(schema)
+}
+
+/// Gives every array in `schema` that says nothing of its items `"items": {}` (any value),
+/// which means what it meant. OpenAI refuses a tool that declares an array without `items`
+/// (`array schema missing items`) in every model request of the response, not only the
+/// tool's calls, and servers list such schemas (JSON Schema allows them). The keywords whose
+/// values are data, not schemas, are left as they are. Bounded: a schema is at most
+/// [`MAX_SCHEMA_BYTES`] as listed, and nested no deeper than its parse allowed.
+fn items_for_arrays(schema: &mut Value) {
+    const DATA: [&str; 4] = ["enum", "const", "default", "examples"];
+    match schema {
+        Value::Object(map) => {
+            let array = match map.get("type") {
+                Some(Value::String(kind)) => kind == "array",
+                Some(Value::Array(kinds)) => kinds.iter().any(|kind| kind == "array"),
+                _ => false,
+            };
+            if array && !map.contains_key("items") && !map.contains_key("prefixItems") {
+                map.insert("items".to_owned(), Value::Object(serde_json::Map::new()));
+            }
+            for (keyword, value) in map.iter_mut() {
+                if !DATA.contains(&keyword.as_str()) {
+                    items_for_arrays(value);
+                }
+            }
+        }
+        Value::Array(values) => values.iter_mut().for_each(items_for_arrays),
+        _ => {}
+    }
 }
 
 struct McpTool {
@@ -749,6 +803,12 @@ impl ToolHandler for McpTool {
             };
             let result = match result {
                 Ok(result) => result,
+                Err(rmcp::ServiceError::UnexpectedResponse) => {
+                    return ToolOutput::error(
+                        "The MCP server's answer is not a tool result as MCP's schema reads one (one part it \
+                         cannot read, a content block of a type it does not know say, fails the whole result).",
+                    );
+                }
                 Err(error) => {
                     // Cut as a result is: the server chooses the error's text and its length.
                     return ToolOutput::error(capped(format!(
@@ -1056,6 +1116,46 @@ pub(crate) fn unavailable_body(unavailable: &[Unavailable]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// OpenAI refuses a tool declaring an array without `items` in every request: an array a
+    /// server's schema leaves open, anywhere in it, is declared as an array of any value, and
+    /// what is data (an `enum`'s, a `default`) or already says its items is left as it is.
+    #[test]
+    fn an_array_whose_items_a_schema_leaves_open_is_declared_with_items_of_any_value() {
+        let listed = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "tags": {"type": "array", "description": "Tags."},
+                "either": {"type": ["array", "null"]},
+                "ids": {"type": "array", "items": {"type": "integer"}},
+                "pair": {"type": "array", "prefixItems": [{"type": "string"}]},
+                "nested": {"type": "object", "properties": {"deep": {"anyOf": [{"type": "array"}, {"type": "string"}]}}},
+                "shape": {"enum": [{"type": "array"}], "default": {"type": "array"}}
+            },
+            "$defs": {"list": {"type": "array"}}
+        });
+        let declared = input_schema(listed.as_object().unwrap()).unwrap();
+        let properties = &declared["properties"];
+        assert_eq!(properties["tags"]["items"], serde_json::json!({}));
+        assert_eq!(properties["either"]["items"], serde_json::json!({}));
+        assert_eq!(properties["ids"]["items"], serde_json::json!({"type": "integer"}));
+        assert!(properties["pair"].get("items").is_none());
+        assert_eq!(
+            properties["nested"]["properties"]["deep"]["anyOf"][0]["items"],
+            serde_json::json!({})
+        );
+        assert_eq!(declared["$defs"]["list"]["items"], serde_json::json!({}));
+        assert_eq!(
+            properties["shape"]["enum"],
+            serde_json::json!([{"type": "array"}]),
+            "data stays"
+        );
+        assert_eq!(
+            properties["shape"]["default"],
+            serde_json::json!({"type": "array"}),
+            "data stays"
+        );
+    }
 
     /// A listed tool's description names it and its server as the server does (its
     /// description may refer to the server's other tools by those names) and quotes its

@@ -915,6 +915,8 @@ struct Endless {
     tools: Option<usize>,
     /// How long each tool's description is (0: a short one).
     describing: usize,
+    /// How long each cursor is, past its page number.
+    cursor_bytes: usize,
 }
 
 impl ServerHandler for Endless {
@@ -929,7 +931,7 @@ impl ServerHandler for Endless {
     ) -> Result<ListToolsResult, ErrorData> {
         let page: usize = request
             .and_then(|request| request.cursor)
-            .map_or(0, |cursor| cursor.parse().unwrap());
+            .map_or(0, |cursor| cursor.split('-').next().unwrap().parse().unwrap());
         let description = match self.describing {
             0 => "A tool.".to_owned(),
             bytes => "d".repeat(bytes),
@@ -944,7 +946,10 @@ impl ServerHandler for Endless {
             })
             .collect();
         let mut result = ListToolsResult::with_all_items(tools);
-        result.next_cursor = self.tools.is_none().then(|| (page + 1).to_string());
+        result.next_cursor = self
+            .tools
+            .is_none()
+            .then(|| format!("{}-{}", page + 1, "c".repeat(self.cursor_bytes)));
         Ok(result)
     }
 }
@@ -966,27 +971,35 @@ fn endless() -> &'static str {
 /// failing every call of the agent.
 #[tokio::test]
 async fn a_server_listing_tools_without_end_is_refused() {
-    for (tools, describing, says) in [
-        (None, 0, "it lists its tools in more than 100 pages"),
-        (Some(1001), 0, "it lists more than 1000 tools"),
-        (
-            None,
-            1024 * 1024,
-            "its tools' names, descriptions and input schemas take more than 16 MiB",
-        ),
+    let bytes = "its tools' names, descriptions and input schemas, and its listing's cursors, take more than 16 MiB";
+    for (tools, describing, cursor_bytes, says) in [
+        (None, 0, 0, "it lists its tools in more than 100 pages"),
+        (Some(1001), 0, 0, "it lists more than 1000 tools"),
+        (None, 1024 * 1024, 0, bytes),
+        // Cursors the client keeps (to refuse a repeated one) and sends back.
+        (None, 0, 1024 * 1024, bytes),
         // Listed within bounds, but more than every model request could declare.
         (
             Some(129),
+            0,
             0,
             "it would mount 129 tools, more than the 128 a model request may declare; name the ones to use in the connection's tools",
         ),
         (
             Some(128),
             10_000,
+            0,
             "more than the 1048576 one server's may; name the ones to use in the connection's tools",
         ),
     ] {
-        *ENDLESS_URL.lock().unwrap() = Some(serve(Endless { tools, describing }).await);
+        *ENDLESS_URL.lock().unwrap() = Some(
+            serve(Endless {
+                tools,
+                describing,
+                cursor_bytes,
+            })
+            .await,
+        );
         let runtime = runtime_with(&ScriptedModel::new([]), [endless.into()]);
         let error = runtime.init(&endless, "e").send("read").await.unwrap_err();
         let (error_type, message) = run_error(error);
@@ -1696,4 +1709,63 @@ async fn a_kept_session_whose_listing_times_out_is_not_kept() {
     );
     let third = &model.requests()[2];
     assert!(third.tools.iter().any(|tool| tool.name == "mcp__stuck__ping"));
+}
+
+static MALFORMED_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// A bare streamable-HTTP MCP server (no rmcp under it, so it can answer what rmcp's server
+/// would not): it lists a tool without the `inputSchema` every MCP tool has. Its URL.
+async fn malformed_server() -> String {
+    async fn answer(body: axum::Json<serde_json::Value>) -> axum::response::Response {
+        use axum::response::IntoResponse;
+        let id = body.get("id").cloned();
+        let result = match body["method"].as_str().unwrap_or_default() {
+            "initialize" => json!({
+                "protocolVersion": body["params"]["protocolVersion"],
+                "capabilities": {"tools": {}},
+                "serverInfo": {"name": "malformed", "version": "1"}
+            }),
+            "tools/list" => json!({"tools": [
+                {"name": "good", "inputSchema": {"type": "object"}},
+                {"name": "bad"}
+            ]}),
+            // A notification: nothing to answer.
+            _ if id.is_none() => return StatusCode::ACCEPTED.into_response(),
+            _ => json!({}),
+        };
+        axum::Json(json!({"jsonrpc": "2.0", "id": id, "result": result})).into_response()
+    }
+    let router = axum::Router::new().route(
+        "/mcp",
+        axum::routing::post(answer).get(|| async { StatusCode::METHOD_NOT_ALLOWED }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    format!("http://{address}/mcp")
+}
+
+#[agent]
+fn malformed() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("malformed", MALFORMED_URL.get().unwrap().clone()));
+    "Read."
+}
+
+/// A listing the MCP client cannot read (one tool without an input schema fails the whole
+/// page) is the server's answer, not a failed transport: the server is refused with a reason
+/// that says what was wrong with its answer. (Before, the reason was "Unexpected response
+/// type", and a kept session was dropped and connected afresh at each response, as after a
+/// network failure.)
+#[tokio::test]
+async fn a_tools_list_the_client_cannot_read_refuses_the_server_saying_so() {
+    let _ = MALFORMED_URL.set(malformed_server().await);
+    let runtime = runtime_with(&ScriptedModel::new([]), [malformed.into()]);
+    let error = runtime.init(&malformed, "m").send("read").await.unwrap_err();
+    let (error_type, message) = run_error(error);
+    assert_eq!(error_type, "mcp_connection_failed", "{message}");
+    assert!(
+        message.contains("its tools/list answer is not a page of tools as MCP's schema reads one"),
+        "{message}"
+    );
 }
