@@ -22,7 +22,10 @@
 //! - Both are best-effort: a summary that cannot be made (the call refused, an empty summary,
 //!   one the output limit cut off, a compaction model that does not resolve) is reported as a
 //!   failed `compaction` event and a warning, and the session goes on uncompacted (an overflow
-//!   is then the call's failure).
+//!   is then the call's failure). No other threshold compaction is tried in the session then,
+//!   unless the summary failed for a reason that passes (the provider overloaded or unreachable
+//!   past its retries): then the threshold is checked again after 4 steps (8, 16, … up to 64
+//!   when the summaries keep failing so).
 //!   The summary's transcript shows at most 2,000 characters of each tool result and of each
 //!   call's arguments. When the summarizing model's window is known, the summary call fits
 //!   it: the answer takes at most half the window, and is made shorter (down to a quarter)
@@ -302,11 +305,23 @@ pub(crate) struct Budget {
     /// Where in the history that call's answer goes: what follows it (tool results, joined
     /// deliveries) came after the count.
     last_call_at: usize,
-    /// A compaction's summary failed in this session: no threshold compaction is tried after
-    /// it (each would cost a summary call, and its retries, at every step); overflow recovery
-    /// still is.
+    /// A compaction's summary failed in this session for a reason that would fail it again
+    /// (refused, empty, cut off): no threshold compaction is tried after it (each would cost a
+    /// summary call, and its retries, at every step); overflow recovery still is.
     gave_up: bool,
+    /// How many more steps try no threshold compaction, after a summary that failed for a
+    /// reason that passes (the provider overloaded or unreachable past its retries).
+    paused: u32,
+    /// The summaries that failed so in a row: each pause is twice the one before.
+    passing_failures: u32,
 }
+
+/// The steps a first summary failure that passes skips threshold compaction for; doubled at
+/// each such failure in a row, up to [`MAX_PAUSE_STEPS`].
+const PAUSE_STEPS: u32 = 4;
+
+/// The longest pause after summaries that failed for reasons that pass.
+const MAX_PAUSE_STEPS: u32 = 64;
 
 impl Budget {
     /// A budget with `settings`, before any call.
@@ -316,6 +331,8 @@ impl Budget {
             last_call_tokens: 0,
             last_call_at: 0,
             gave_up: false,
+            paused: 0,
+            passing_failures: 0,
         }
     }
 
@@ -398,6 +415,10 @@ pub(crate) async fn compact_if_needed<S: Compacting>(
 ) -> Result<(), S::Failure> {
     let budget = session.budget();
     if budget.settings == Compaction::Disabled || budget.gave_up {
+        return Ok(());
+    }
+    if budget.paused > 0 {
+        budget.paused -= 1;
         return Ok(());
     }
     let Some(window) = provider.context_window(model_id) else {
@@ -509,7 +530,7 @@ pub(crate) async fn compact<S: Compacting>(
         }
         Err(why) => {
             let failure = session.failure(summary_failed(&why));
-            gave_up(session, started, failure, None);
+            gave_up(session, started, failure, None, false);
             return Ok(false);
         }
     };
@@ -566,12 +587,14 @@ pub(crate) async fn compact<S: Compacting>(
             .map_err(|error| format!("The compaction model: {error}")),
         None => Ok((None, model_id.to_owned())),
     };
-    let summary = match resolved {
+    let (summary, passing) = match resolved {
         Ok((summarizer, model)) => {
             let summarizer = summarizer.as_deref().unwrap_or(provider);
             let plans = summary_plans(summarizer.context_window(&model));
             let mut summary = Err(String::new());
             let mut made = None;
+            // Whether the last summary call failed for a reason that passes.
+            let mut passing = false;
             for (attempt, planning) in plans.iter().enumerate() {
                 let request = match request(summarizer, model.clone(), *planning) {
                     // The same call as the one refused: it would be refused again.
@@ -591,14 +614,18 @@ pub(crate) async fn compact<S: Compacting>(
                         summary = Err(error.to_string());
                     }
                     outcome => {
+                        passing = matches!(
+                            &outcome,
+                            Err(crate::provider::CallError::Failed(error)) if error.is_retryable()
+                        );
                         summary = outcome.map_err(|error| error.to_string());
                         break;
                     }
                 }
             }
-            summary
+            (summary, passing)
         }
-        Err(error) => Err(error),
+        Err(error) => (Err(error), false),
     };
     // Compaction is best-effort (it runs on its own, at a threshold or after an overflow): a
     // summary that could not be made is reported (a failed `compaction` event and a warning)
@@ -618,7 +645,7 @@ pub(crate) async fn compact<S: Compacting>(
                 "the summary was empty"
             };
             let failure = session.failure(summary_failed(why));
-            gave_up(session, started, failure, Some(response.usage));
+            gave_up(session, started, failure, Some(response.usage), false);
             return Ok(false);
         }
         // An abort (or the deadline's) that ended the summary call ends the session as
@@ -629,7 +656,7 @@ pub(crate) async fn compact<S: Compacting>(
         }
         Err(error) => {
             let failure = session.failure(summary_failed(&error));
-            gave_up(session, started, failure, None);
+            gave_up(session, started, failure, None, passing);
             return Ok(false);
         }
     };
@@ -647,6 +674,7 @@ pub(crate) async fn compact<S: Compacting>(
     }
     // The latest call's count was of the history before the compaction.
     session.budget().last_call_tokens = 0;
+    session.budget().passing_failures = 0;
     let messages_after = session.conversation().messages.len();
     session.publish(|| Event::Compaction {
         messages_before: messages_before as u64,
@@ -749,12 +777,22 @@ fn nothing_compacted<S: Compacting>(
 
 /// Reports a compaction given up (its failed `compaction` event, and a warning), and tries no
 /// other threshold compaction in the session (each would cost a summary call, and its
-/// retries, at every step).
-fn gave_up<S: Compacting>(session: &mut S, started: Instant, failure: S::Failure, usage: Option<Usage>) {
+/// retries, at every step); after a failure that `passes` (the provider overloaded or
+/// unreachable past its retries), none for a pause of steps instead, twice as long as the one
+/// before when the summaries fail so in a row.
+fn gave_up<S: Compacting>(session: &mut S, started: Instant, failure: S::Failure, usage: Option<Usage>, passes: bool) {
     let failure = compaction_failed(&*session, started, failure, usage);
     let error = S::describe(&failure);
     tracing::warn!(error = %error.message, "compaction failed; the session goes on uncompacted");
-    session.budget().gave_up = true;
+    let budget = session.budget();
+    if passes {
+        budget.paused = PAUSE_STEPS
+            .saturating_mul(1 << budget.passing_failures.min(4))
+            .min(MAX_PAUSE_STEPS);
+        budget.passing_failures = budget.passing_failures.saturating_add(1);
+    } else {
+        budget.gave_up = true;
+    }
 }
 
 /// A summary call that failed or answered nothing usable.

@@ -10,7 +10,9 @@ use flue_runtime::store::{InstanceKey, Store};
 use flue_runtime::testing::{ScriptedModel, ScriptedReply};
 
 mod harness;
-use harness::{long, runtime_with, use_tight_model, use_tight_model_summarized_by};
+use flue_runtime::RuntimeOptions;
+use flue_runtime::store::MemoryStore;
+use harness::{long, runtime_with, use_tight_model, use_tight_model_summarized_by, user_texts};
 
 #[agent]
 fn tight() -> &'static str {
@@ -922,6 +924,51 @@ async fn after_a_failed_compaction_the_submissions_later_steps_try_no_other() {
         .filter(|request| request.tools.is_empty())
         .count();
     assert_eq!(summaries, 1, "one summary attempt in the submission");
+}
+
+/// A summary that failed for a reason that passes (the provider overloaded past its retries)
+/// pauses threshold compaction for a few steps, not for the rest of the submission: the step
+/// after the pause summarizes. (Before, one overloaded summary call left every later step of
+/// a long run uncompacted, with overflow recovery alone to fall back on.)
+#[tokio::test]
+async fn after_a_summary_failed_for_a_passing_reason_a_later_step_compacts_again() {
+    let mut replies = vec![
+        ScriptedReply::text(long("one")),
+        ScriptedReply::text(long("two")),
+        ScriptedReply::Error(ProviderError::new(ProviderErrorKind::Server, "overloaded")),
+    ];
+    // The first step, then the four the pause skips the threshold for.
+    replies.extend((0..5).map(|_| ScriptedReply::tool_call("fetch_page", serde_json::json!({}))));
+    replies.extend([
+        ScriptedReply::text("The user asked thrice."),
+        ScriptedReply::text("done"),
+    ]);
+    let model = ScriptedModel::new(replies).with_context_window(600);
+    let options = RuntimeOptions {
+        model_retries: 0,
+        model_retry_delay: std::time::Duration::from_millis(1),
+        ..RuntimeOptions::default()
+    };
+    let runtime = harness::runtime_on_with(MemoryStore::new(), &model, [tight_fetcher.into()], options);
+    let handle = runtime.init(&tight_fetcher, "tf");
+    handle.send(long("first")).await.unwrap();
+    handle.send(long("second")).await.unwrap();
+    let reply = handle.send(long("third")).await.unwrap();
+    assert_eq!(reply.text, "done");
+    let requests = model.requests();
+    let summaries: Vec<usize> = requests
+        .iter()
+        .enumerate()
+        .filter(|(_, request)| request.tools.is_empty())
+        .map(|(at, _)| at)
+        .collect();
+    assert_eq!(summaries, [2, 8], "the failed summary, then one after four steps");
+    assert!(
+        user_texts(requests.last().unwrap())
+            .iter()
+            .all(|text| !text.contains("first")),
+        "the last call reads the summary, not the older history"
+    );
 }
 
 /// A completed answer of `text` (no calls, no usage), as a provider's stream ends it.
