@@ -1002,7 +1002,15 @@ async fn load_images(
     child: &InstanceKey,
     conversation: &mut Conversation,
 ) -> Result<(), String> {
-    for attachment in conversation.missing_images() {
+    // The prompt's too, which a compaction may have summarized away with its message: the
+    // delegate is delivered them all the same.
+    let mut missing = conversation.missing_images();
+    for attachment in conversation.missing_prompt_images() {
+        if !missing.iter().any(|listed| listed.id == attachment.id) {
+            missing.push(attachment);
+        }
+    }
+    for attachment in missing {
         let stored = runtime
             .store
             .attachment(child, &attachment.id)

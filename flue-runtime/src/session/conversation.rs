@@ -1621,6 +1621,19 @@ impl Conversation {
             + self.initial_data.as_ref().map_or(0, value_weight);
     }
 
+    /// The images the prompt (the first user message) attached that are not loaded. A task
+    /// child's delegate is delivered them on every run ([`Self::prompt_attachments`]), also
+    /// once a compaction summarized that message away, and the images the history names with
+    /// it (a child reattached after a crash loads them so).
+    pub(crate) fn missing_prompt_images(&self) -> Vec<AttachmentRef> {
+        self.first_message_images
+            .iter()
+            .flatten()
+            .filter(|attachment| !self.images.contains_key(&attachment.id))
+            .cloned()
+            .collect()
+    }
+
     /// Attachments the history names whose images are not loaded.
     pub(crate) fn missing_images(&self) -> Vec<AttachmentRef> {
         self.image_refs
@@ -2522,6 +2535,53 @@ mod tests {
         });
         assert!(conversation.images.is_empty(), "the compacted-away photo stays loaded");
         assert!(conversation.estimated_tokens() < crate::compaction::IMAGE_TOKENS);
+    }
+
+    /// The prompt's images are what a task child's delegate is delivered on every run: once a
+    /// compaction summarized the prompt away, the history names them no more, but they are
+    /// still the prompt's to load and deliver.
+    #[test]
+    fn the_prompts_images_stay_the_prompts_once_compacted_away() {
+        let mut conversation = Conversation::default();
+        let photo = AttachmentRef {
+            id: "att_photo".into(),
+            media_type: "image/png".into(),
+            size: 10,
+            filename: None,
+        };
+        conversation.apply(&Batch {
+            offset: 0,
+            records: vec![record(RecordBody::UserMessage {
+                message_id: "user-photo".into(),
+                body: "tally this".into(),
+                attachments: vec![photo.clone()],
+            })]
+            .into(),
+        });
+        conversation.apply(&Batch {
+            offset: 1,
+            records: vec![
+                record(RecordBody::UserMessage {
+                    message_id: "user-next".into(),
+                    body: "and now?".into(),
+                    attachments: Vec::new(),
+                }),
+                record(RecordBody::Compaction {
+                    summary: "A photo was tallied.".into(),
+                    first_kept_message_id: "user-next".into(),
+                    tokens_before: 1_000,
+                    reason: "threshold".into(),
+                    usage: None,
+                }),
+            ]
+            .into(),
+        });
+        assert!(conversation.missing_images().is_empty(), "the history names it no more");
+        assert_eq!(conversation.missing_prompt_images(), [photo.clone()]);
+        assert!(conversation.prompt_attachments().is_empty(), "not loaded yet");
+        conversation.keep_image(photo.id.clone(), ModelImage::from_bytes("image/png", b"png"));
+        assert!(conversation.missing_prompt_images().is_empty());
+        assert_eq!(conversation.prompt_attachments().len(), 1);
     }
 
     /// The ids of a message's images follow its text, in attachment order, on every request
