@@ -23,9 +23,9 @@
 //!   one the output limit cut off, a compaction model that does not resolve) is reported as a
 //!   failed `compaction` event and a warning, and the session goes on uncompacted (an overflow
 //!   is then the call's failure). No other threshold compaction is tried in the session then,
-//!   unless the summary failed for a reason that passes (the provider overloaded or unreachable
-//!   past its retries): then the threshold is checked again after 4 steps (8, 16, … up to 64
-//!   when the summaries keep failing so).
+//!   unless the summary failed for a reason that passes (the provider overloaded, unreachable
+//!   or asking to wait, past its retries): then the threshold is checked again after 4 steps
+//!   (8, 16, … up to 64 when the summaries keep failing so).
 //!   The summary's transcript shows at most 2,000 characters of each tool result and of each
 //!   call's arguments. When the summarizing model's window is known, the summary call fits
 //!   it: the answer takes at most half the window, and is made shorter (down to a quarter)
@@ -69,7 +69,7 @@ use flue_core::model::{Compaction, CompactionConfig, ThinkingLevel};
 use flue_core::usage::Usage;
 
 use crate::events::{Event, LazyId, TurnPurpose, TurnResponse};
-use crate::provider::{ModelMessage, ModelProvider, ModelRequest, ModelResponse, StopReason};
+use crate::provider::{ModelMessage, ModelProvider, ModelRequest, ModelResponse, ProviderErrorKind, StopReason};
 use crate::record::{RecordBody, SettlementError};
 use crate::runtime::RuntimeInner;
 use crate::session::{Conversation, turn_request};
@@ -614,9 +614,17 @@ pub(crate) async fn compact<S: Compacting>(
                         summary = Err(error.to_string());
                     }
                     outcome => {
+                        // An overloaded or unreachable provider, or one that asked to wait
+                        // (longer than a retry waits, too).
                         passing = matches!(
                             &outcome,
-                            Err(crate::provider::CallError::Failed(error)) if error.is_retryable()
+                            Err(crate::provider::CallError::Failed(error)) if matches!(
+                                error.kind,
+                                ProviderErrorKind::RateLimited
+                                    | ProviderErrorKind::Server
+                                    | ProviderErrorKind::Timeout
+                                    | ProviderErrorKind::Network
+                            )
                         );
                         summary = outcome.map_err(|error| error.to_string());
                         break;

@@ -747,7 +747,6 @@ fn input_schema(listed: &serde_json::Map<String, Value>) -> Result<Value, flue_c
 /// values are data, not schemas, are left as they are. Bounded: a schema is at most
 /// [`MAX_SCHEMA_BYTES`] as listed, and nested no deeper than its parse allowed.
 fn items_for_arrays(schema: &mut Value) {
-    const DATA: [&str; 4] = ["enum", "const", "default", "examples"];
     match schema {
         Value::Object(map) => {
             let array = match map.get("type") {
@@ -759,8 +758,16 @@ fn items_for_arrays(schema: &mut Value) {
                 map.insert("items".to_owned(), Value::Object(serde_json::Map::new()));
             }
             for (keyword, value) in map.iter_mut() {
-                if !DATA.contains(&keyword.as_str()) {
-                    items_for_arrays(value);
+                match keyword.as_str() {
+                    // Data, not schemas.
+                    "enum" | "const" | "default" | "examples" => {}
+                    // Schemas by name: a name is no keyword (a property may be `examples`).
+                    "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
+                        if let Value::Object(schemas) = value {
+                            schemas.values_mut().for_each(items_for_arrays);
+                        }
+                    }
+                    _ => items_for_arrays(value),
                 }
             }
         }
@@ -1114,6 +1121,7 @@ pub(crate) fn unavailable_body(unavailable: &[Unavailable]) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests assert by unwrapping
 mod tests {
     use super::*;
 
@@ -1130,7 +1138,8 @@ mod tests {
                 "ids": {"type": "array", "items": {"type": "integer"}},
                 "pair": {"type": "array", "prefixItems": [{"type": "string"}]},
                 "nested": {"type": "object", "properties": {"deep": {"anyOf": [{"type": "array"}, {"type": "string"}]}}},
-                "shape": {"enum": [{"type": "array"}], "default": {"type": "array"}}
+                "shape": {"enum": [{"type": "array"}], "default": {"type": "array"}},
+                "examples": {"type": "array"}
             },
             "$defs": {"list": {"type": "array"}}
         });
@@ -1154,6 +1163,11 @@ mod tests {
             properties["shape"]["default"],
             serde_json::json!({"type": "array"}),
             "data stays"
+        );
+        assert_eq!(
+            properties["examples"]["items"],
+            serde_json::json!({}),
+            "a property's name is no keyword"
         );
     }
 

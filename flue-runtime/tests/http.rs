@@ -1157,6 +1157,45 @@ async fn a_read_that_folds_the_stream_shares_the_readers_room() {
     }
 }
 
+/// A lone SSE reader of a conversation larger than the readers' whole room is served to the
+/// head: the instance's live feed, which it is handed over to there, folds the stream without
+/// asking for room the reader still holds. (Regression: the feed's fold asked for room too,
+/// found none on an idle server, and ended the reader's stream at the head.)
+#[tokio::test]
+async fn a_lone_sse_reader_of_a_conversation_larger_than_the_room_is_served_to_the_head() {
+    let long = LongConversation::serve_padded(
+        HttpOptions {
+            updates_cache_instances: 0,
+            max_reader_fold_bytes: 64 * 1024,
+            ..HttpOptions::default()
+        },
+        400,
+        64 * 1024,
+    )
+    .await;
+    let url = format!(
+        "http://{}/agents/calculator/long?view=updates&offset=-1&live=sse",
+        long.addr
+    );
+    let response = reqwest::Client::new().get(&url).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let mut text = String::new();
+    while !text.contains("\"upToDate\":true") {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), body.next())
+            .await
+            .expect("a frame within 10 s")
+            .expect("the stream stays open while it catches up")
+            .unwrap();
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    assert!(text.matches("\"m").count() >= 400, "the reader got the stream");
+    // Caught up on its own, it is handed over to the live feed, and stays open.
+    if let Ok(next) = tokio::time::timeout(Duration::from_millis(500), body.next()).await {
+        assert!(next.is_some(), "the stream ended at the head");
+    }
+}
+
 /// SSE readers catching up on their own hold their folds and pages in a room the router
 /// bounds: a reader that finds none is answered 503 `server_busy` with `Retry-After`, and is
 /// served once the reader holding the room is gone. (Before, each idle connection behind the

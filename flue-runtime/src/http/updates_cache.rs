@@ -27,6 +27,8 @@
 //! readers' folds ([`HttpOptions::max_reader_fold_bytes`](super::HttpOptions::max_reader_fold_bytes)),
 //! and lets it go once kept or answered: a read that finds no room fails
 //! ([`ReadFailure::Busy`], answered 503) rather than hold one more copy of a conversation.
+//! A live feed's first fold takes none: there is one feed per instance followed, and the
+//! reader handed over to it still holds room for its own fold then.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -453,7 +455,7 @@ impl UpdatesCache {
         key: &InstanceKey,
         incarnation: Option<&str>,
     ) -> Result<Option<(Value, String)>, ReadFailure> {
-        self.at_head(store, key, incarnation, |projection, _| {
+        self.at_head(store, key, incarnation, true, |projection, _| {
             (projection.snapshot(), projection.offset())
         })
         .await
@@ -469,7 +471,9 @@ impl UpdatesCache {
         key: &InstanceKey,
         incarnation: Option<&str>,
     ) -> Result<Option<(Projection, Option<u64>)>, ReadFailure> {
-        self.at_head(store, key, incarnation, |projection, offset| {
+        // Without room: the reader whose connection starts the feed still holds room for its
+        // own fold, and the feed's is one per instance, for as long as it is followed.
+        self.at_head(store, key, incarnation, false, |projection, offset| {
             (projection.clone(), offset)
         })
         .await
@@ -477,13 +481,14 @@ impl UpdatesCache {
 
     /// `answer` of the fold of `key` at its head and the offset it reaches (`None` when it has
     /// no stream): the entry of `incarnation`'s fold brought up to the head, or, without an
-    /// entry, a fold of the whole stream that becomes the entry (its window empty: it starts
-    /// at the head).
+    /// entry, a fold of the whole stream (taking room for it, when `charged`) that becomes the
+    /// entry (its window empty: it starts at the head).
     async fn at_head<T>(
         &self,
         store: &dyn Store,
         key: &InstanceKey,
         incarnation: Option<&str>,
+        charged: bool,
         answer: impl Fn(&Projection, Option<u64>) -> T,
     ) -> Result<Option<T>, ReadFailure> {
         let slot = incarnation
@@ -511,9 +516,11 @@ impl UpdatesCache {
         }
         let mut projection = Projection::new(&key.stream_path());
         // Held until the fold is kept: then the cache's bytes bound it.
-        let mut room = self.fold_room()?;
+        let mut room = if charged { self.fold_room()? } else { None };
         let (head, fits) = projection
-            .fold_stream_within(store, key, u64::MAX, |bytes| self.room.hold(&mut room, bytes))
+            .fold_stream_within(store, key, u64::MAX, |bytes| {
+                !charged || self.room.hold(&mut room, bytes)
+            })
             .await?;
         if !fits {
             return Err(ReadFailure::Busy);

@@ -2577,7 +2577,7 @@ mod tests {
             .into(),
         });
         assert!(conversation.missing_images().is_empty(), "the history names it no more");
-        assert_eq!(conversation.missing_prompt_images(), [photo.clone()]);
+        assert_eq!(conversation.missing_prompt_images(), std::slice::from_ref(&photo));
         assert!(conversation.prompt_attachments().is_empty(), "not loaded yet");
         conversation.keep_image(photo.id.clone(), ModelImage::from_bytes("image/png", b"png"));
         assert!(conversation.missing_prompt_images().is_empty());

@@ -116,9 +116,7 @@ impl ToolCallObserver {
             return None;
         }
         call.arguments.push_str(delta);
-        if call.progress_argument.is_none() {
-            return None;
-        }
+        // `None` for a call not announced yet that has no progress argument.
         Self::check(call)
     }
 
