@@ -3112,3 +3112,91 @@ async fn a_delegate_streaming_a_call_numbered_usize_max_runs_it() {
     }
     assert_eq!(child_deltas, [(usize::MAX, false)]);
 }
+
+/// What each render of the `imaging_reader` delegate was delivered (how many images).
+static IMAGING_READER_DELIVERIES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+/// A parent delegating to a reader of long pages that notes into
+/// [`IMAGING_READER_DELIVERIES`] how many images each of its renders was delivered; the
+/// compaction settings are the parent's, which its task's child inherits.
+fn imaging_reading_parent(compaction: Compaction) -> AgentRef {
+    FnAgent::new(AgentDefinition::new("scrapbook"), move |_: AgentProps<'_>| {
+        use_model_with(
+            "scripted/parent-model",
+            ModelOptions {
+                compaction: compaction.clone(),
+                ..ModelOptions::default()
+            },
+        );
+        use_subagent(Subagent::new(
+            "reader",
+            "Reads long pages about an image.",
+            FnAgent::new(AgentDefinition::new("reader"), |_: AgentProps<'_>| {
+                let images = match &*use_delivery() {
+                    DeliveredMessage::User(message) => message.attachments.len(),
+                    DeliveredMessage::Signal(_) => 0,
+                };
+                IMAGING_READER_DELIVERIES.lock().unwrap().push(images);
+                use_tool(
+                    Tool::new("page")
+                        .description("Read the next page.")
+                        .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>(a_page()) }),
+                );
+                use_tool(
+                    Tool::new("note")
+                        .description("Take a note.")
+                        .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>("noted") }),
+                );
+                "You read pages."
+            }),
+        ));
+        "Delegate the reading."
+    })
+    .into()
+}
+
+/// A child reattached after a crash is delivered the images its prompt was handed, also once
+/// a compaction summarized the prompt away. (Before, the reattach loaded only the images the
+/// compacted history still named, and the delegate's render was delivered the prompt
+/// without them.)
+#[tokio::test]
+async fn a_reattached_child_whose_prompt_was_compacted_away_is_still_delivered_its_images() {
+    let model = ScriptedModel::new([ScriptedReply::text("Noted.")]).with_context_window(1500);
+    let store = crashing(Box::new(MemoryStore::new()), commits_calls_of("note"));
+    let failures = store.failures.clone();
+    let runtime = harness::runtime_on(store, &model, vec![imaging_reading_parent(tight_compaction())]);
+    let handle = runtime.handle("scrapbook", "s-1").unwrap();
+    handle.send(photo_message("A receipt.", "iVBORw0KGgo=")).await.unwrap();
+    let ModelMessage::User { content, .. } = &model.requests()[0].messages[0] else {
+        panic!("{:?}", model.requests()[0].messages)
+    };
+    let id = listed_attachment_ids(content).remove(0);
+    for reply in [
+        ScriptedReply::tool_call(
+            "task",
+            json!({"agent": "reader", "prompt": READ_PROMPT, "attachments": [{"id": id}]}),
+        ),
+        ScriptedReply::tool_call("page", json!({})),
+        ScriptedReply::tool_call("page", json!({})),
+        ScriptedReply::text("The reader read a page about the receipt."),
+        // The child's batch of this call is interrupted (the crash).
+        ScriptedReply::tool_call("note", json!({})),
+        ScriptedReply::text("Two pages."),
+        ScriptedReply::text("Read."),
+    ] {
+        model.push(reply);
+    }
+    let reply = handle.send("Read about it.").await.unwrap();
+    assert_eq!(failures.load(Ordering::SeqCst), 1, "the crash happened");
+    assert_eq!(reply.text, "Read.");
+    let requests = model.requests();
+    assert!(
+        requests[4].tools.is_empty(),
+        "the child's fourth request summarizes: {requests:#?}"
+    );
+    assert_eq!(
+        *IMAGING_READER_DELIVERIES.lock().unwrap(),
+        [1, 1],
+        "the first run's render, then the reattached one's"
+    );
+}
