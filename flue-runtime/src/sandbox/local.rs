@@ -121,6 +121,46 @@ pub struct LocalSandbox {
     root: PathBuf,
 }
 
+/// Writes `contents` over `file` (opened at its start, not appending) and cuts what is left of
+/// its old contents past them. The room for the new contents is `reserve`d first, so a full
+/// disk or a quota fails the write before any old byte changed. (Emptying the file first, a
+/// failed write left it empty or cut short, and the model only an I/O error.)
+fn overwrite(
+    file: &mut std::fs::File,
+    contents: &[u8],
+    reserve: impl FnOnce(&std::fs::File, u64) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    let length = u64::try_from(contents.len()).unwrap_or(u64::MAX);
+    reserve(file, length)?;
+    file.write_all(contents)?;
+    file.set_len(length)
+}
+
+/// Reserves the blocks of a file `length` bytes long (Linux's `fallocate`): a full disk or a
+/// quota fails here. A filesystem that cannot reserve (or another system) reserves nothing,
+/// and the write goes on as it would.
+fn reserve(file: &std::fs::File, length: u64) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    if let Ok(length @ 1..) = libc::off_t::try_from(length) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: `fallocate` takes an open descriptor and integers, and touches no memory of
+        // ours.
+        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, length) } != 0 {
+            let error = std::io::Error::last_os_error();
+            if matches!(
+                error.raw_os_error(),
+                Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG | libc::EIO)
+            ) {
+                return Err(error);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (file, length);
+    Ok(())
+}
+
 fn io(error: std::io::Error) -> SandboxError {
     match error.kind() {
         std::io::ErrorKind::NotFound => SandboxError::NotFound(error.to_string()),
@@ -1223,12 +1263,10 @@ impl Sandbox for LocalSandbox {
         let shown = path.to_owned();
         Box::pin(async move {
             blocking(move || {
-                use std::io::Write;
                 let normalized = this.checked(&shown)?;
                 let mut file =
                     open_beneath(&this.root, &normalized, Access::Write).map_err(|error| error.shown(&shown))?;
-                file.set_len(0).map_err(io)?;
-                file.write_all(&contents).map_err(io)
+                overwrite(&mut file, &contents, reserve).map_err(io)
             })
             .await
         })
@@ -1395,6 +1433,26 @@ mod tests {
         std::fs::create_dir_all(&outside).unwrap();
         let root = std::fs::canonicalize(root).unwrap();
         Scratch { base, root, outside }
+    }
+
+    /// A write over a file reserves its room before it changes a byte: a disk that is full
+    /// leaves the old contents whole. Once written, a shorter file is cut to the new contents.
+    #[test]
+    fn a_write_that_finds_no_room_leaves_the_old_contents_whole() {
+        let dirs = scratch("overwrite");
+        let path = dirs.root.join("notes.txt");
+        std::fs::write(&path, "the old notes, long").unwrap();
+        let mut file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let full = |_: &std::fs::File, _: u64| Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+        let error = overwrite(&mut file, b"new", full).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::ENOSPC));
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "the old notes, long");
+        let mut file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        overwrite(&mut file, b"new", reserve).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
+        let mut file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        overwrite(&mut file, b"newer and longer", reserve).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "newer and longer");
     }
 
     /// A listing reads at most its limit of entries: one more fails it, saying so (a walk
