@@ -721,7 +721,7 @@ impl Instance {
     /// it.
     async fn reply_from_history(&self, receipt: &Receipt) -> Result<Reply, ClientError> {
         let submission_id = receipt.submission_id.as_str();
-        let snapshot = self.history().await?;
+        let snapshot = self.history_again_when_lost().await?;
         if let Some(current) = snapshot["incarnation"].as_str().filter(|current| !current.is_empty())
             && !receipt.uid.is_empty()
             && current != receipt.uid
@@ -789,8 +789,39 @@ impl Instance {
 
     /// The history snapshot (`GET /:id`).
     pub async fn history(&self) -> Result<Value, ClientError> {
-        let response = self.client.call(reqwest::Method::GET, self.url(&[])?).send().await?;
-        json_of(response, self.client.max_body_bytes).await
+        self.history_read().await.map_err(|(error, _)| error)
+    }
+
+    /// The history snapshot; on failure, with the wait a refusal's `Retry-After` asked for.
+    async fn history_read(&self) -> Result<Value, (ClientError, Option<Duration>)> {
+        let response = self
+            .client
+            .call(reqwest::Method::GET, self.url(&[]).map_err(|error| (error, None))?)
+            .send()
+            .await
+            .map_err(|error| (error.into(), None))?;
+        let retry_after = retry_after_of(&response);
+        json_of(response, self.client.max_body_bytes)
+            .await
+            .map_err(|error| (error, retry_after))
+    }
+
+    /// The history snapshot, read again (as a followed stream reconnects: backing off, as long
+    /// as the server asks, [`Client::with_reconnect_limit`] times at most) while its answer is
+    /// lost or the server is busy: a reply read from it is the submission's, which the server
+    /// has, and a server whose readers hold all the room it gives answers 503 for a while.
+    async fn history_again_when_lost(&self) -> Result<Value, ClientError> {
+        let mut failures = 0;
+        loop {
+            match self.history_read().await {
+                Ok(snapshot) => return Ok(snapshot),
+                Err((error, retry_after)) if answer_lost(&error) && failures + 1 < self.client.reconnect_limit => {
+                    failures += 1;
+                    tokio::time::sleep(reconnect_delay(failures, retry_after)).await;
+                }
+                Err((error, _)) => return Err(error),
+            }
+        }
     }
 
     /// Requests an abort of the instance's unsettled submissions; whether any was.
@@ -1085,6 +1116,17 @@ impl Follow {
                     if let Some(offset) = payload["streamNextOffset"].as_str()
                         && offset != self.offset
                     {
+                        // Sent back in the next connection's query, and kept with every chunk
+                        // taken after it: an offset is `-1` or two numbers, nothing longer.
+                        if !is_stream_offset(offset) {
+                            return Err(unreadable(
+                                &self.offset,
+                                &format!(
+                                    "its streamNextOffset {:?} is no stream offset",
+                                    offset.chars().take(40).collect::<String>()
+                                ),
+                            ));
+                        }
                         offset.clone_into(&mut self.offset);
                         progressed = true;
                     }
@@ -1093,6 +1135,16 @@ impl Follow {
             }
         }
     }
+}
+
+/// Whether `offset` is a stream offset as the protocol writes one: `-1`, or two numbers of at
+/// most 20 digits joined by `_`.
+fn is_stream_offset(offset: &str) -> bool {
+    let number = |digits: &str| (1..=20).contains(&digits.len()) && digits.bytes().all(|byte| byte.is_ascii_digit());
+    offset == "-1"
+        || offset
+            .split_once('_')
+            .is_some_and(|(high, low)| number(high) && number(low))
 }
 
 /// How many times [`Instance::send`] posts one admission in all: the first post, and the
@@ -1132,12 +1184,17 @@ async fn connect(instance: &Instance, offset: &str, retry_after: &mut Option<Dur
         .append_pair("live", "sse");
     let response = instance.client.request(reqwest::Method::GET, url).send().await?;
     let status = response.status().as_u16();
-    *retry_after = response
+    *retry_after = retry_after_of(&response);
+    connected(response, status, instance.client.max_body_bytes).await
+}
+
+/// The wait a response's `Retry-After` asks for.
+fn retry_after_of(response: &reqwest::Response) -> Option<Duration> {
+    response
         .headers()
         .get(reqwest::header::RETRY_AFTER)
         .and_then(|value| value.to_str().ok())
-        .and_then(crate::provider::parse_retry_after);
-    connected(response, status, instance.client.max_body_bytes).await
+        .and_then(crate::provider::parse_retry_after)
 }
 
 /// The instance's SSE stream from a response. An answer that is not the protocol (a success
@@ -1567,6 +1624,93 @@ mod tests {
             .reply(&receipt)
             .await;
         assert!(matches!(read, Err(ClientError::Protocol(_))), "{read:?}");
+    }
+
+    /// A reply read from the history (a replayed admission's) is read again when the server
+    /// answers it 503, after the wait it asks for: a server whose readers hold all the room it
+    /// gives refuses for a while, and the submission's reply is still there. (Before, one 503
+    /// failed the prompt at once.)
+    #[tokio::test]
+    async fn a_reply_read_from_a_busy_servers_history_is_read_again() {
+        let refusal = r#"{"error":{"type":"server_busy","message":"Busy reading.","details":"Retry."}}"#;
+        let busy: &'static str = Box::leak(
+            format!(
+                "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 0\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n{refusal}",
+                refusal.len()
+            )
+            .into_boxed_str(),
+        );
+        let body = r#"{"offset":"-1","incarnation":"","messages":[],"settlements":[{"submissionId":"sub_1","outcome":"completed"}]}"#;
+        let history: &'static str = Box::leak(
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+                 connection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .into_boxed_str(),
+        );
+        let (base, lines) = serving_in_turn(vec![busy, busy, history]).await;
+        let receipt = Receipt {
+            submission_id: "sub_1".into(),
+            offset: "-1".into(),
+            uid: String::new(),
+            deduplicated: true,
+        };
+        let instance = Client::new(&base).unwrap().instance("assistant", "i");
+        let reply = instance.reply(&receipt).await.unwrap();
+        assert_eq!(reply.submission_id, "sub_1");
+        assert_eq!(lines.lock().unwrap().len(), 3, "read twice more");
+        // Within the reconnect limit only.
+        let (base, lines) = serving_in_turn(vec![busy]).await;
+        let instance = Client::new(&base)
+            .unwrap()
+            .with_reconnect_limit(2)
+            .instance("assistant", "i");
+        let read = instance.reply(&receipt).await;
+        assert!(matches!(read, Err(ClientError::Api { status: 503, .. })), "{read:?}");
+        assert_eq!(lines.lock().unwrap().len(), 2);
+    }
+
+    /// A control frame's offset is sent back in the next connection's query and kept with
+    /// every chunk taken after it: one that is no stream offset (a broken server's, or a
+    /// hostile one's of megabytes) ends the follow as a protocol error.
+    #[tokio::test]
+    async fn a_stream_offset_that_is_no_offset_ends_the_follow() {
+        let base = answering_in_turn(vec![
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+             event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"inst_a\"}]\n\n\
+             event: control\ndata:{\"streamNextOffset\":\"0000000000000000_0000000000000001xxxxxxxxxxxx\"}\n\n",
+        ])
+        .await;
+        let items = tokio::time::timeout(
+            Duration::from_secs(10),
+            Client::new(base)
+                .unwrap()
+                .instance("assistant", "i")
+                .follow("-1")
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .expect("the follow ends");
+        assert!(
+            matches!(items.as_slice(), [Err(ClientError::Protocol(message))] if message.contains("is no stream offset")),
+            "{items:?}"
+        );
+        for (offset, valid) in [
+            ("-1", true),
+            ("0000000000000000_0000000000000001", true),
+            ("12_3", true),
+            ("", false),
+            ("-2", false),
+            ("1_", false),
+            ("_1", false),
+            ("1_2_3", false),
+            ("１_2", false),
+            (&"1".repeat(21), false),
+        ] {
+            assert_eq!(is_stream_offset(offset), valid, "{offset:?}");
+        }
     }
 
     /// An admission the client did not see admitted is an error, never a receipt: a POST a
