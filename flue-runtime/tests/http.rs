@@ -910,6 +910,18 @@ impl LongConversation {
         Self::serve_padded(options, messages, 0).await
     }
 
+    /// 400 messages of 64 KiB (25 MiB in all) served without an updates cache and with
+    /// 64 KiB of room for readers' folds: every read folds on its own, and one fold takes the
+    /// whole room.
+    async fn beyond_a_tight_room() -> Self {
+        let options = HttpOptions {
+            updates_cache_instances: 0,
+            max_reader_fold_bytes: 64 * 1024,
+            ..HttpOptions::default()
+        };
+        Self::serve_padded(options, 400, 64 * 1024).await
+    }
+
     /// [`Self::serve`] with `padding` more bytes in each message.
     async fn serve_padded(options: HttpOptions, messages: usize, padding: usize) -> Self {
         use flue_runtime::record::{Record, RecordBody};
@@ -1112,16 +1124,7 @@ async fn readers_who_come_at_once_to_an_uncached_conversation_fold_it_once() {
 /// budget counted, however many came at once.)
 #[tokio::test]
 async fn a_read_that_folds_the_stream_shares_the_readers_room() {
-    let long = LongConversation::serve_padded(
-        HttpOptions {
-            updates_cache_instances: 0,
-            max_reader_fold_bytes: 64 * 1024,
-            ..HttpOptions::default()
-        },
-        400,
-        64 * 1024,
-    )
-    .await;
+    let long = LongConversation::beyond_a_tight_room().await;
     let url = |query: &str| format!("http://{}/agents/calculator/long?{query}", long.addr);
     let client = reqwest::Client::new();
     // A catching-up SSE reader that stops taking bytes holds the room.
@@ -1163,16 +1166,7 @@ async fn a_read_that_folds_the_stream_shares_the_readers_room() {
 /// found none on an idle server, and ended the reader's stream at the head.)
 #[tokio::test]
 async fn a_lone_sse_reader_of_a_conversation_larger_than_the_room_is_served_to_the_head() {
-    let long = LongConversation::serve_padded(
-        HttpOptions {
-            updates_cache_instances: 0,
-            max_reader_fold_bytes: 64 * 1024,
-            ..HttpOptions::default()
-        },
-        400,
-        64 * 1024,
-    )
-    .await;
+    let long = LongConversation::beyond_a_tight_room().await;
     let url = format!(
         "http://{}/agents/calculator/long?view=updates&offset=-1&live=sse",
         long.addr
@@ -1202,16 +1196,7 @@ async fn a_lone_sse_reader_of_a_conversation_larger_than_the_room_is_served_to_t
 /// updates cache's window held its own copy of the conversation, counted by no budget.)
 #[tokio::test]
 async fn sse_readers_catching_up_on_their_own_share_a_bounded_room() {
-    let long = LongConversation::serve_padded(
-        HttpOptions {
-            updates_cache_instances: 0,
-            max_reader_fold_bytes: 64 * 1024,
-            ..HttpOptions::default()
-        },
-        400,
-        64 * 1024,
-    )
-    .await;
+    let long = LongConversation::beyond_a_tight_room().await;
     let url = format!(
         "http://{}/agents/calculator/long?view=updates&offset=-1&live=sse",
         long.addr
@@ -1244,16 +1229,7 @@ async fn sse_readers_catching_up_on_their_own_share_a_bounded_room() {
 /// each hold a fold no room counts).
 #[tokio::test]
 async fn an_sse_reader_refused_for_want_of_room_reads_no_stream_to_fold() {
-    let long = LongConversation::serve_padded(
-        HttpOptions {
-            updates_cache_instances: 0,
-            max_reader_fold_bytes: 64 * 1024,
-            ..HttpOptions::default()
-        },
-        400,
-        64 * 1024,
-    )
-    .await;
+    let long = LongConversation::beyond_a_tight_room().await;
     let url = |offset: &str| {
         format!(
             "http://{}/agents/calculator/long?view=updates&offset={offset}&live=sse",

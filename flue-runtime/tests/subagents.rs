@@ -2167,22 +2167,27 @@ fn a_page() -> String {
 /// The beginning of the summary the model reads in place of the summarized history.
 const SUMMARY_TAG: &str = "<conversation-summary type=\"compaction\">";
 
+/// A reader's tools: `page` (the next long page) and `note` (take a note).
+fn use_reading_tools() {
+    use_tool(
+        Tool::new("page")
+            .description("Read the next page.")
+            .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>(a_page()) }),
+    );
+    use_tool(
+        Tool::new("note")
+            .description("Take a note.")
+            .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>("noted") }),
+    );
+}
+
 /// A delegate reading long pages (`page`) and taking notes (`note`).
 fn reading_delegate() -> Subagent {
     Subagent::new(
         "reader",
         "Reads long pages.",
         FnAgent::new(AgentDefinition::new("reader"), |_: AgentProps<'_>| {
-            use_tool(
-                Tool::new("page")
-                    .description("Read the next page.")
-                    .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>(a_page()) }),
-            );
-            use_tool(
-                Tool::new("note")
-                    .description("Take a note.")
-                    .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>("noted") }),
-            );
+            use_reading_tools();
             "You read pages."
         }),
     )
@@ -3137,16 +3142,7 @@ fn imaging_reading_parent(compaction: Compaction) -> AgentRef {
                     DeliveredMessage::Signal(_) => 0,
                 };
                 IMAGING_READER_DELIVERIES.lock().unwrap().push(images);
-                use_tool(
-                    Tool::new("page")
-                        .description("Read the next page.")
-                        .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>(a_page()) }),
-                );
-                use_tool(
-                    Tool::new("note")
-                        .description("Take a note.")
-                        .run(|_ctx, _: serde_json::Map<String, Value>| async move { Ok::<_, ToolError>("noted") }),
-                );
+                use_reading_tools();
                 "You read pages."
             }),
         ));

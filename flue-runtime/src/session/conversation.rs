@@ -2490,8 +2490,8 @@ mod tests {
         assert_eq!(conversation.compaction_cut(0, false), Some((2, "u-3".to_owned())));
     }
 
-    #[test]
-    fn images_count_in_the_estimate_and_are_forgotten_once_compacted_away() {
+    /// A conversation whose first message, `body`, attaches a photo; the photo's reference.
+    fn with_a_photo(body: &str) -> (Conversation, AttachmentRef) {
         let mut conversation = Conversation::default();
         let photo = AttachmentRef {
             id: "att_photo".into(),
@@ -2503,18 +2503,16 @@ mod tests {
             offset: 0,
             records: vec![record(RecordBody::UserMessage {
                 message_id: "user-photo".into(),
-                body: "what is this?".into(),
+                body: body.into(),
                 attachments: vec![photo.clone()],
             })]
             .into(),
         });
-        conversation.keep_image(photo.id.clone(), ModelImage::from_bytes("image/png", b"png"));
-        let text_only = crate::compaction::estimate_message(&ModelMessage::user("what is this?"));
-        assert_eq!(
-            conversation.estimated_tokens(),
-            text_only + crate::compaction::IMAGE_TOKENS
-        );
-        // A later message, then a compaction that keeps only it.
+        (conversation, photo)
+    }
+
+    /// A later message, then a compaction that keeps only it (the photo's message goes).
+    fn compact_the_photo_away(conversation: &mut Conversation) {
         conversation.apply(&Batch {
             offset: 1,
             records: vec![
@@ -2533,6 +2531,18 @@ mod tests {
             ]
             .into(),
         });
+    }
+
+    #[test]
+    fn images_count_in_the_estimate_and_are_forgotten_once_compacted_away() {
+        let (mut conversation, photo) = with_a_photo("what is this?");
+        conversation.keep_image(photo.id.clone(), ModelImage::from_bytes("image/png", b"png"));
+        let text_only = crate::compaction::estimate_message(&ModelMessage::user("what is this?"));
+        assert_eq!(
+            conversation.estimated_tokens(),
+            text_only + crate::compaction::IMAGE_TOKENS
+        );
+        compact_the_photo_away(&mut conversation);
         assert!(conversation.images.is_empty(), "the compacted-away photo stays loaded");
         assert!(conversation.estimated_tokens() < crate::compaction::IMAGE_TOKENS);
     }
@@ -2542,40 +2552,8 @@ mod tests {
     /// still the prompt's to load and deliver.
     #[test]
     fn the_prompts_images_stay_the_prompts_once_compacted_away() {
-        let mut conversation = Conversation::default();
-        let photo = AttachmentRef {
-            id: "att_photo".into(),
-            media_type: "image/png".into(),
-            size: 10,
-            filename: None,
-        };
-        conversation.apply(&Batch {
-            offset: 0,
-            records: vec![record(RecordBody::UserMessage {
-                message_id: "user-photo".into(),
-                body: "tally this".into(),
-                attachments: vec![photo.clone()],
-            })]
-            .into(),
-        });
-        conversation.apply(&Batch {
-            offset: 1,
-            records: vec![
-                record(RecordBody::UserMessage {
-                    message_id: "user-next".into(),
-                    body: "and now?".into(),
-                    attachments: Vec::new(),
-                }),
-                record(RecordBody::Compaction {
-                    summary: "A photo was tallied.".into(),
-                    first_kept_message_id: "user-next".into(),
-                    tokens_before: 1_000,
-                    reason: "threshold".into(),
-                    usage: None,
-                }),
-            ]
-            .into(),
-        });
+        let (mut conversation, photo) = with_a_photo("tally this");
+        compact_the_photo_away(&mut conversation);
         assert!(conversation.missing_images().is_empty(), "the history names it no more");
         assert_eq!(conversation.missing_prompt_images(), std::slice::from_ref(&photo));
         assert!(conversation.prompt_attachments().is_empty(), "not loaded yet");
