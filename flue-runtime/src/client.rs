@@ -1597,21 +1597,26 @@ mod tests {
         assert_eq!(bodies.lock().unwrap().len(), 1, "a refusal is not posted again");
     }
 
+    /// A whole HTTP answer of `status` (`200 OK`) with the JSON `body`, after the `headers`
+    /// given (each line ending with CRLF), closing its connection: for the test servers.
+    fn json_answer(status: &str, headers: &str, body: &str) -> &'static str {
+        Box::leak(
+            format!(
+                "HTTP/1.1 {status}\r\ncontent-type: application/json\r\n{headers}content-length: {}\r\n\
+                 connection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .into_boxed_str(),
+        )
+    }
+
     /// A history whose settlements are not objects (another API behind the base URL, a
     /// proxy's stub) is no protocol: a replayed receipt's reply, read from it, is an error,
     /// not a panic.
     #[tokio::test]
     async fn a_reply_read_from_a_history_that_is_not_the_protocol_is_an_error() {
         let body = r#"{"offset":"-1","messages":[],"settlements":["x"]}"#;
-        let response: &'static str = Box::leak(
-            format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
-                 connection: close\r\n\r\n{body}",
-                body.len()
-            )
-            .into_boxed_str(),
-        );
-        let base = answering(response).await;
+        let base = answering(json_answer("200 OK", "", body)).await;
         let receipt = Receipt {
             submission_id: "sub_1".into(),
             offset: "-1".into(),
@@ -1633,23 +1638,9 @@ mod tests {
     #[tokio::test]
     async fn a_reply_read_from_a_busy_servers_history_is_read_again() {
         let refusal = r#"{"error":{"type":"server_busy","message":"Busy reading.","details":"Retry."}}"#;
-        let busy: &'static str = Box::leak(
-            format!(
-                "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 0\r\n\
-                 content-length: {}\r\nconnection: close\r\n\r\n{refusal}",
-                refusal.len()
-            )
-            .into_boxed_str(),
-        );
+        let busy = json_answer("503 Service Unavailable", "retry-after: 0\r\n", refusal);
         let body = r#"{"offset":"-1","incarnation":"","messages":[],"settlements":[{"submissionId":"sub_1","outcome":"completed"}]}"#;
-        let history: &'static str = Box::leak(
-            format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
-                 connection: close\r\n\r\n{body}",
-                body.len()
-            )
-            .into_boxed_str(),
-        );
+        let history = json_answer("200 OK", "", body);
         let (base, lines) = serving_in_turn(vec![busy, busy, history]).await;
         let receipt = Receipt {
             submission_id: "sub_1".into(),
