@@ -950,6 +950,43 @@ pub enum SecretError {
     },
 }
 
+/// A step name taken for one call of [`ToolContext::step`] or [`ToolContext::try_step`]: given
+/// back when dropped unless the step settled (its value was replayed, returned or recorded).
+struct StepName<'a> {
+    names: &'a Mutex<HashSet<String>>,
+    name: &'a str,
+    settled: bool,
+}
+
+impl<'a> StepName<'a> {
+    /// Takes `name`, or `None` when this call already took it.
+    fn reserve(names: &'a Mutex<HashSet<String>>, name: &'a str) -> Option<Self> {
+        let taken = Self::lock(names).insert(name.to_owned());
+        taken.then_some(Self {
+            names,
+            name,
+            settled: false,
+        })
+    }
+
+    fn lock(names: &Mutex<HashSet<String>>) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        names.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The step settled: its name stays taken for the rest of the call.
+    fn settled(&mut self) {
+        self.settled = true;
+    }
+}
+
+impl Drop for StepName<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            Self::lock(self.names).remove(self.name);
+        }
+    }
+}
+
 /// Where one call's durable steps are kept. The runtime gives a durable tool's context one
 /// ([`ToolContext::with_steps`]); without one (standalone runs, non-durable tools) a
 /// [`ToolContext::step`] just runs.
@@ -1099,7 +1136,8 @@ impl ToolContext {
     /// A step that may fail: like [`ToolContext::step`], but only an `Ok` value is recorded.
     /// An `Err` is returned as the tool's error (its `Display` text) and leaves nothing on
     /// record, so a re-run of the call tries the step again, and so may this run (the name
-    /// stays free). Put a side effect that can fail (a declined charge) in one of these.
+    /// stays free, as it does when the step's future is dropped before it settles: a timeout
+    /// around it). Put a side effect that can fail (a declined charge) in one of these.
     pub async fn try_step<T, E, F>(&self, name: &str, work: F) -> Result<T, ToolError>
     where
         T: Serialize + DeserializeOwned,
@@ -1123,21 +1161,17 @@ impl ToolContext {
                 "[flue] Tool \"{tool}\" ran a step without a name. Name each step of a call."
             )));
         }
-        let names = || inner.step_names.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if !names().insert(name.to_owned()) {
+        let Some(mut reserved) = StepName::reserve(&inner.step_names, name) else {
             return Err(ToolError::new(format!(
                 "[flue] Tool \"{tool}\" ran the step \"{name}\" twice in one call. A re-run finds a step's recorded value by its name: give each step of a call a name of its own."
             )));
-        }
-        let run = async {
-            work.await.map_err(|error| {
-                // Nothing settled: the name stays free for another try.
-                names().remove(name);
-                ToolError::new(error.to_string())
-            })
         };
+        // Until `settled` below, an error, a refusal or the call dropping this future (a
+        // timeout around the step) leaves the name free for another try: nothing settled.
         let Some(steps) = &inner.steps else {
-            return run.await;
+            let value = work.await.map_err(|error| ToolError::new(error.to_string()))?;
+            reserved.settled();
+            return Ok(value);
         };
         let parse = |value: Value| {
             serde_json::from_value(value).map_err(|error| {
@@ -1147,25 +1181,25 @@ impl ToolContext {
             })
         };
         if let Some(value) = steps.recorded(name) {
+            reserved.settled();
             return parse(value);
         }
-        // A value refused here records nothing: the name stays free for another try.
-        let refused = |message: String| {
-            names().remove(name);
-            ToolError::new(message)
-        };
-        let value = serde_json::to_value(run.await?).map_err(|error| {
-            refused(format!(
+        let value = work.await.map_err(|error| ToolError::new(error.to_string()))?;
+        let value = serde_json::to_value(value).map_err(|error| {
+            ToolError::new(format!(
                 "[flue] Tool \"{tool}\" step \"{name}\" returned a value that is not JSON: {error}"
             ))
         })?;
         // The first run returns what a re-run would read back, and a value that would not read
         // back (JSON has no NaN: serde_json writes `null`) is not recorded.
         let settled = T::deserialize(&value).map_err(|error| {
-            refused(format!(
+            ToolError::new(format!(
                 "[flue] Tool \"{tool}\" step \"{name}\" returned a value that does not read back as its type after the JSON round trip ({error}), so it was not recorded"
             ))
         })?;
+        // From here the value may be on record even if recording reports a failure (or this
+        // future is dropped while it records): the name stays taken.
+        reserved.settled();
         steps.record(name, value).await.map_err(|error| {
             ToolError::new(format!(
                 "[flue] Tool \"{tool}\" step \"{name}\" could not be recorded: {error}"
@@ -1383,6 +1417,35 @@ mod tests {
             *journal.settled.lock().expect("journal"),
             vec![("charge".to_owned(), serde_json::json!(7))],
             "only the step that succeeded is on record"
+        );
+    }
+
+    #[test]
+    fn a_step_dropped_before_it_settled_leaves_its_name_free() {
+        let tool = Tool::new("fetch").description("Fetch.").durable().run(
+            |ctx, _: serde_json::Map<String, Value>| async move {
+                // A step given up on (the tool's own timeout around it drops it) while its
+                // work is still pending.
+                let mut abandoned = Box::pin(ctx.step("fetch", std::future::pending::<u32>()));
+                let pending =
+                    std::future::poll_fn(|cx| std::task::Poll::Ready(abandoned.as_mut().poll(cx).is_pending())).await;
+                assert!(pending);
+                drop(abandoned);
+                let fetched: u32 = ctx.step("fetch", async { 7 }).await?;
+                Ok::<_, ToolError>(format!("fetched {fetched}"))
+            },
+        );
+        let journal = Arc::new(Journal::default());
+        for ctx in [
+            ToolContext::new(&tool, "call_1"),
+            ToolContext::new(&tool, "call_1").with_steps(journal.clone()),
+        ] {
+            let output = poll_ready(tool.call(ctx, serde_json::json!({})));
+            assert_eq!(output, ToolOutput::text("fetched 7"));
+        }
+        assert_eq!(
+            *journal.settled.lock().expect("journal"),
+            vec![("fetch".to_owned(), serde_json::json!(7))]
         );
     }
 

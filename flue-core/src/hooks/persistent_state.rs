@@ -125,7 +125,10 @@ where
     /// Writes `value`. A value equal to the current one writes nothing.
     ///
     /// Panics during a render (renders are pure reads). Fails on a bare render, when the
-    /// instance is not responding, and when `value` does not serialize to JSON.
+    /// instance is not responding, and when `value` does not serialize to JSON or its JSON
+    /// form does not read back as `T`. The stored value is that JSON form, serde_json's: a NaN
+    /// or an infinity becomes `null`, so a plain `f64` NaN is refused while a NaN in an
+    /// `Option<f64>` is stored as `null` and reads back as `None`.
     #[track_caller]
     pub fn set(&self, value: T) -> Result<(), StateWriteError> {
         let binding = self.guard()?;
@@ -191,7 +194,8 @@ where
     /// The value as it is stored: its JSON form, which must read back as `T`. JSON has no NaN
     /// or infinity (serde_json writes them as `null`) and a type may write what it cannot read
     /// (a skipped field without a default); stored, such a value would fail every later render
-    /// of the instance, so the write is refused instead.
+    /// of the instance, so the write is refused instead. A `null` that reads back (a NaN in an
+    /// `Option<f64>`, read back as `None`) is stored, as [`StateSetter::set`] says.
     fn normalize(&self, value: &T) -> Result<Value, StateWriteError> {
         let not_json = |reason: String| StateWriteError::NotJson {
             name: self.name.to_string(),
