@@ -207,17 +207,20 @@ impl ToolModel {
                     );
                     rejected_parameter = true;
                 }
-                FnArg::Typed(param) => match context_kind(&param.ty) {
-                    None => params.push(param),
-                    Some(Context::Shared) if index == 0 => {
-                        refuse_field_attributes(param, Refused::Context, errors);
-                        has_context = true;
+                FnArg::Typed(param) => {
+                    refuse_conditional(param, errors);
+                    match context_kind(&param.ty) {
+                        None => params.push(param),
+                        Some(Context::Shared) if index == 0 => {
+                            refuse_field_attributes(param, Refused::Context, errors);
+                            has_context = true;
+                        }
+                        Some(kind) => {
+                            errors.spanned(&param.ty, kind.misplaced(index == 0));
+                            rejected_parameter = true;
+                        }
                     }
-                    Some(kind) => {
-                        errors.spanned(&param.ty, kind.misplaced(index == 0));
-                        rejected_parameter = true;
-                    }
-                },
+                }
             }
         }
         let arguments = match &mut params[..] {
@@ -657,6 +660,22 @@ fn not_an_object(ty: &Type) -> Option<(String, &'static str)> {
 enum Refused {
     Context,
     Args,
+}
+
+/// Reports and takes off the `#[cfg(..)]` and `#[cfg_attr(..)]` attributes of a parameter: the
+/// argument struct, its schema and the call are generated from every parameter, and rustc
+/// evaluates a parameter's `cfg` only after the macro ran, on the body's parameter alone.
+fn refuse_conditional(param: &mut syn::PatType, errors: &Errors) {
+    param.attrs.retain(|attr| {
+        let conditional = attr.path().is_ident("cfg") || attr.path().is_ident("cfg_attr");
+        if conditional {
+            errors.spanned(
+                attr,
+                "a tool's parameters cannot be conditional: the arguments the model sends, their schema and the call are made from every parameter; put the `cfg` on the whole tool (two tools under opposite `cfg`s), or take an `Option` the model may leave out",
+            );
+        }
+        !conditional
+    });
 }
 
 /// Reports and takes off the doc comments, `#[serde(..)]` and `#[schemars(..)]` attributes of a
