@@ -2203,6 +2203,33 @@ async fn a_finish_append_after_a_stop_is_not_stored_and_the_response_completes()
     );
 }
 
+static HALT_FINISHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[agent]
+fn haltable_checked() -> &'static str {
+    use_model("scripted/x");
+    use_tool(halt);
+    use_agent_finish(|_ctx| async move {
+        HALT_FINISHES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    });
+    "H"
+}
+
+/// A `stop()` from a tool that does not terminate ends the turns as a terminating one does:
+/// the would-stop point follows, finish callbacks included.
+#[tokio::test]
+async fn the_finish_callbacks_run_after_a_stop_from_a_tool_that_does_not_terminate() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("halt", json!({})),
+        ScriptedReply::text("never"),
+    ]);
+    let runtime = runtime_with(&model, vec![haltable_checked.into()]);
+    runtime.init(&haltable_checked, "h").send("go").await.unwrap();
+    assert_eq!(model.requests().len(), 1);
+    assert_eq!(HALT_FINISHES.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
 #[hook(before_create_message)]
 async fn refuse_forbidden(_state: &ThreadState, message: Message) -> Result<Message, HookError> {
     if message.content.as_deref() == Some("forbidden") {

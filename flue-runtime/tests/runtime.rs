@@ -259,6 +259,37 @@ async fn a_finish_append_when_no_step_is_left_fails_loudly_and_is_not_committed(
     assert_eq!(signals, 0, "no unanswered signal in the stream");
 }
 
+/// As `never_satisfied`, with a tool the model calls in its one step.
+#[agent(max_steps = 1)]
+fn never_satisfied_after_a_tool() -> &'static str {
+    use_model("scripted/x");
+    use_tool(add);
+    use_agent_finish(|ctx| async move {
+        ctx.append(Signal::new("todo", "Check your answer again."))?;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    });
+    "Answer."
+}
+
+/// The would-stop point follows however the turns end: a tool batch that spends the last step
+/// ends them too, so the finish callbacks run (and their unanswerable append fails the response
+/// as after an answer) instead of the response completing with its check skipped.
+#[tokio::test]
+async fn the_finish_callbacks_run_when_a_tool_batch_spends_the_last_step() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("add", json!({"a": 2, "b": 3})),
+        ScriptedReply::text("never asked"),
+    ]);
+    let runtime = harness::runtime_on(MemoryStore::new(), &model, [never_satisfied_after_a_tool.into()]);
+    let error = runtime
+        .init(&never_satisfied_after_a_tool, "n")
+        .send("go")
+        .await
+        .unwrap_err();
+    assert_eq!(run_error(error).0, "agent_finish_unanswerable");
+    assert_eq!(model.requests().len(), 1);
+}
+
 static FINISH_LOG: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
 #[agent]

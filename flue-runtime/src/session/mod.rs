@@ -2317,7 +2317,9 @@ impl Response<'_> {
                 self.commit_signals(deferred, false).await?;
             }
             let joined = self.can_step(steps, max_steps) && self.join_queued().await?;
-            stopping = terminated && !joined;
+            // Resumed with no step left (its last batch committed before the crash), the
+            // turns are over too.
+            stopping = (terminated || !self.can_step(steps, max_steps)) && !joined;
         }
         self.spare = Some(rendered);
 
@@ -2384,9 +2386,10 @@ impl Response<'_> {
             // steered into the loop, which runs on to answer them (reference §3.8).
             let joined = self.can_step(steps, max_steps) && self.join_queued().await?;
             self.spare = Some(rendered);
-            // The turns end at a terminating batch: the would-stop point follows, as after an
-            // answer without calls.
-            stopping = terminate && !joined;
+            // The turns end at a terminating batch, and at a batch after which no step is left
+            // (`max_steps` spent, or a tool's `stop()`): the would-stop point follows, as after
+            // an answer without calls.
+            stopping = (terminate || !self.can_step(steps, max_steps)) && !joined;
         }
 
         // Calls queued when the response could run no more (by a hook of its last commit, or
