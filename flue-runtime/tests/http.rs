@@ -2648,7 +2648,7 @@ mod limits {
     /// (many small arrays) parses to many times its bytes, and a message carrying it finds no
     /// room where its text alone would have found some; once the room is free, it is admitted.
     #[tokio::test]
-    async fn initial_data_takes_room_for_what_it_holds_parsed() {
+    async fn initial_data_and_signal_attributes_take_room_for_what_they_hold_parsed() {
         let server = Server::start_with(HttpOptions {
             request_body_timeout: Duration::from_secs(1),
             request_body_deadline: Duration::from_secs(3),
@@ -2676,12 +2676,18 @@ mod limits {
             }
         });
         tokio::time::sleep(Duration::from_millis(500)).await;
-        // 80,000 empty arrays: 240 KB of text, about 4 MB parsed.
+        // 80,000 empty arrays: 240 KB of text, about 4 MB parsed. A signal of 80,000 empty
+        // attributes: 960 KB of text, about 5 MB parsed.
         let dense = json!({"kind": "user", "body": "hi", "initialData": {"rows": vec![json!([]); 80_000]}});
-        let refused = server.post("dense", dense.clone()).await;
-        assert_eq!(refused.status(), 503);
-        let body: serde_json::Value = refused.json().await.unwrap();
-        assert_eq!(body["error"]["type"], "server_busy", "{body}");
+        let attributes: serde_json::Map<String, serde_json::Value> =
+            (0..80_000).map(|n| (format!("a{n:05}"), json!(""))).collect();
+        let signal = json!({"kind": "signal", "type": "note", "body": "", "attributes": attributes});
+        for dense in [&dense, &signal] {
+            let refused = server.post("dense", dense.clone()).await;
+            assert_eq!(refused.status(), 503);
+            let body: serde_json::Value = refused.json().await.unwrap();
+            assert_eq!(body["error"]["type"], "server_busy", "{body}");
+        }
         // As long a text without initial data finds room.
         let admitted = server
             .post("plain", json!({"kind": "user", "body": "x".repeat(240_000)}))
@@ -2694,8 +2700,10 @@ mod limits {
             .expect("the server closes the connection")
             .unwrap();
         assert!(String::from_utf8_lossy(&said).starts_with("HTTP/1.1 408"));
-        let later = server.post("dense", dense).await;
-        assert_ne!(later.status(), 503, "{:?}", later.text().await);
+        for dense in [dense, signal] {
+            let later = server.post("dense", dense).await;
+            assert_ne!(later.status(), 503, "{:?}", later.text().await);
+        }
     }
 
     /// A body declaring a length past the body limit is refused at once, before any of it is

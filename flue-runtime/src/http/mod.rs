@@ -163,9 +163,10 @@ pub struct HttpOptions {
     /// How many bytes of message bodies the router holds at once, all requests together
     /// (256 MiB; at least one body of [`MAX_BODY_BYTES`] fits). A body takes room for its
     /// bytes as they arrive, and holds it until its admission is made; once parsed, its
-    /// initial data takes room for what its nodes weigh too (dense JSON parses to many times
-    /// its text), up to the whole room. One whose next bytes, or whose initial data, find no
-    /// room is answered 503 `server_busy` at once (with `Retry-After`), and frees what it
+    /// initial data and a signal's attributes take room for what their nodes weigh too (dense
+    /// JSON parses to many times its text), up to the whole room. One whose next bytes, or
+    /// whose parsed nodes, find no room is answered 503 `server_busy` at once (with
+    /// `Retry-After`), and frees what it
     /// held. Many clients sending large bodies cannot make the server hold more than this
     /// (nor parse more than this at once), and a client sending slowly holds only what it
     /// sent, for as long as [`request_body_deadline`](Self::request_body_deadline) lets it:
@@ -427,21 +428,18 @@ fn body_room_bytes(options: &HttpOptions) -> usize {
         .clamp(MAX_BODY_BYTES, tokio::sync::Semaphore::MAX_PERMITS)
 }
 
-/// Takes room in `bodies` for what `request`'s initial data holds parsed (its nodes weigh more
-/// than its text: dense JSON many times more), beside the body's own `room`, until the
-/// admission is made: never more than the whole room, so a body that fits alone is admitted
-/// once the others are. 503 `server_busy` at once when it finds none.
+/// Takes room in `bodies` for what `request` holds parsed beyond its texts (see
+/// [`parsed_beyond_text`]), beside the body's own `room`, until the admission is made: never
+/// more than the whole room, so a body that fits alone is admitted once the others are. 503
+/// `server_busy` at once when it finds none.
 fn hold_parsed(
     bodies: &Arc<tokio::sync::Semaphore>,
     options: &HttpOptions,
     mut room: Option<tokio::sync::OwnedSemaphorePermit>,
     request: &crate::SendRequest,
 ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, ApiError> {
-    let Some(data) = &request.initial_data else {
-        return Ok(room);
-    };
     let held = room.as_ref().map_or(0, tokio::sync::OwnedSemaphorePermit::num_permits);
-    let parsed = crate::json_shape::parsed_weight(data).min(body_room_bytes(options).saturating_sub(held));
+    let parsed = parsed_beyond_text(request).min(body_room_bytes(options).saturating_sub(held));
     let Ok(parsed @ 1..) = u32::try_from(parsed) else {
         return Ok(room);
     };
@@ -454,6 +452,24 @@ fn hold_parsed(
         None => room = Some(more),
     }
     Ok(room)
+}
+
+/// What `request` holds parsed that its body's text does not weigh: its initial data's nodes
+/// (they weigh more than their text: dense JSON many times more), a signal's attributes (a map
+/// of many short strings: each entry weighs a node beside its text) and a message's
+/// attachments.
+fn parsed_beyond_text(request: &crate::SendRequest) -> usize {
+    use crate::json_shape::{NODE_WEIGHT, parsed_weight};
+    let data = request.initial_data.as_ref().map_or(0, parsed_weight);
+    let message = match &request.message {
+        crate::message::DeliveredMessage::Signal(signal) => signal
+            .attributes
+            .iter()
+            .map(|(key, value)| NODE_WEIGHT + key.len() + value.len())
+            .sum(),
+        crate::message::DeliveredMessage::User(user) => user.attachments.len() * NODE_WEIGHT,
+    };
+    data + message
 }
 
 fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>, shared: Shared) -> Router {
@@ -772,8 +788,8 @@ async fn post_message(
     }
     let (body, room) = read_body(request, &routes.options, &routes.bodies).await?;
     let request = admission::parse(&key.id, &headers, &body)?;
-    // What the admission needs is parsed: the body's room now covers its texts, and its
-    // initial data's nodes take room of their own.
+    // What the admission needs is parsed: the body's room now covers its texts, and the
+    // nodes of its initial data and attributes take room of their own.
     drop(body);
     let room = hold_parsed(&routes.bodies, &routes.options, room, &request)?;
     // A direct send, as `send()` is (only the caller does not wait here for the reply). On a
