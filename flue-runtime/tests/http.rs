@@ -3080,6 +3080,31 @@ mod access_control {
             .await
             .unwrap();
         assert_error(anonymous, 401, "unauthorized").await;
+        // A stranger cannot tell a registered agent's paths from others': all are 401.
+        for (method, path) in [
+            (Method::GET, "/agents/calculator/x"),
+            (Method::GET, "/agents/nosuch/x"),
+            (Method::POST, "/agents/calculator/"),
+            (Method::POST, "/agents/nosuch/"),
+            (Method::GET, "/elsewhere"),
+        ] {
+            let response = server
+                .client
+                .request(method, format!("{}{path}", server.root))
+                .send()
+                .await
+                .unwrap();
+            assert_error(response, 401, "unauthorized").await;
+        }
+        // With a token, an unknown route is one.
+        let unknown = server
+            .client
+            .get(format!("{}/agents/nosuch/x", server.root))
+            .bearer_auth("token-bob")
+            .send()
+            .await
+            .unwrap();
+        assert_error(unknown, 404, "route_not_found").await;
         // Nothing Bob or a stranger sent reached the model.
         assert_eq!(server.model.requests().len(), 2);
     }

@@ -370,7 +370,6 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
     let options = Arc::new(options.bounded());
     let shared = Shared::new(&options);
     let inner = runtime.inner().clone();
-    let guard_options = options.clone();
     let mut app = Router::new().route(
         "/agents",
         get(move || {
@@ -378,10 +377,7 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
             async move { axum::Json(catalog::catalog(&inner)) }
         })
         .fallback(not_allowed("GET, HEAD"))
-        .route_layer(axum::middleware::from_fn(move |request: Request, next: Next| {
-            let options = guard_options.clone();
-            async move { guard(&options, None, None, None, request, next).await }
-        })),
+        .route_layer(guarded(&options, None)),
     );
     let users = user_events::UserRoutes {
         runtime: runtime.inner().clone(),
@@ -400,9 +396,12 @@ pub fn router_with(runtime: &Runtime, options: HttpOptions) -> Router {
                 &format!("/agents/{name}"),
                 routes(runtime.inner().clone(), name, options.clone(), shared.clone()),
             )
-            .route(&format!("/agents/{name}/"), any(blank_id));
+            .route(
+                &format!("/agents/{name}/"),
+                any(blank_id).layer(guarded(&options, Some(name))),
+            );
     }
-    finish(app)
+    finish(app, &options)
 }
 
 /// One agent's routes at the router's root (`/:id`, …; not the catalog nor the users'
@@ -411,7 +410,10 @@ pub fn agent_router(runtime: &Runtime, agent: &str, options: HttpOptions) -> Opt
     runtime.inner().agents.contains_key(agent).then(|| {
         let options = Arc::new(options.bounded());
         let shared = Shared::new(&options);
-        finish(routes(runtime.inner().clone(), agent, options, shared))
+        finish(
+            routes(runtime.inner().clone(), agent, options.clone(), shared),
+            &options,
+        )
     })
 }
 
@@ -510,6 +512,23 @@ fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>, sh
         .route("/", any(blank_id))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), guard_instance))
         .with_state(state)
+}
+
+/// The guard of a route that names no instance: of `agent`'s, or of none.
+fn guarded(
+    options: &Arc<HttpOptions>,
+    agent: Option<&str>,
+) -> axum::middleware::FromFnLayer<
+    impl Fn(Request, Next) -> std::pin::Pin<Box<dyn Future<Output = Response> + Send>> + Clone + Send + Sync + 'static,
+    (),
+    (Request,),
+> {
+    let (options, agent) = (options.clone(), agent.map(str::to_owned));
+    axum::middleware::from_fn(move |request: Request, next: Next| {
+        let (options, agent) = (options.clone(), agent.clone());
+        Box::pin(async move { guard(&options, agent.as_deref(), None, None, request, next).await })
+            as std::pin::Pin<Box<dyn Future<Output = Response> + Send>>
+    })
 }
 
 /// Asks the authorization callback (when there is one) before the handler runs.
@@ -696,9 +715,14 @@ async fn blank_id() -> ApiError {
     ApiError::invalid_request("Agent conversation URLs must end with a non-empty conversation id segment.")
 }
 
-/// The router-wide parts: unmatched routes, the body limit, the security headers.
-fn finish(app: Router) -> Router {
-    app.fallback(|uri: OriginalUri| async move { ApiError::route_not_found(uri.path()) })
+/// The router-wide parts: unmatched routes, the body limit, the security headers. An
+/// unmatched route is guarded too: unauthorized, an unknown agent's path is answered as a
+/// known one's is (401), not 404, which would tell the agents' names to anyone.
+fn finish(app: Router, options: &Arc<HttpOptions>) -> Router {
+    use axum::handler::Handler;
+    let unmatched =
+        (|uri: OriginalUri| async move { ApiError::route_not_found(uri.path()) }).layer(guarded(options, None));
+    app.fallback(unmatched)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::map_response(security_headers))
 }
