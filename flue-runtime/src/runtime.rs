@@ -2149,7 +2149,19 @@ impl AgentHandle {
     /// does: a submission a crashed process left queued or running is taken over here.
     pub async fn read(&self, submission_id: &str) -> Result<AgentReply, RuntimeError> {
         // An id admission refuses names no instance (nor could every store look it up).
-        if check_instance_id(&self.key.id).is_err() || self.runtime.store.instance(&self.key).await?.is_none() {
+        if check_instance_id(&self.key.id).is_err() {
+            return Err(RuntimeError::InstanceNotFound(self.key.id.to_string()));
+        }
+        // A store failing for a while (the failover a `ReplyUnread` may have come from) is
+        // waited out here as in the wait below.
+        let mut failed_looks = 0;
+        let known = loop {
+            match self.runtime.store.instance(&self.key).await {
+                Ok(info) => break info.is_some(),
+                Err(error) => look_failed(submission_id, &mut failed_looks, error).await?,
+            }
+        };
+        if !known {
             return Err(RuntimeError::InstanceNotFound(self.key.id.to_string()));
         }
         // Nor does one no admission makes (Postgres refuses a NUL in it as a failure, which

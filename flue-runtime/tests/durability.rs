@@ -332,6 +332,11 @@ async fn a_reply_the_store_cannot_give_back_names_the_admitted_submission() {
     // The store back, the same read answers.
     store.failing_reads.store(0, Ordering::SeqCst);
     assert_eq!(handle.read(&receipt.submission_id).await.unwrap().text, "done");
+    // A store failing for a while (a failover) when the read first looks at the instance is
+    // waited out as the look at the submission is: the read `ReplyUnread` advises succeeds.
+    store.failing_instance_looks.store(3, Ordering::SeqCst);
+    assert_eq!(handle.read(&receipt.submission_id).await.unwrap().text, "done");
+    assert_eq!(store.failing_instance_looks.load(Ordering::SeqCst), 0);
 }
 
 #[agent(durability(max_attempts = 1))]

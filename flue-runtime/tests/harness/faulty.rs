@@ -44,6 +44,8 @@ pub struct FaultyStore {
     pub stalled_reads: Arc<AtomicUsize>,
     /// How many of the next reads of a stream fail.
     pub failing_reads: Arc<AtomicUsize>,
+    /// How many of the next looks at an instance's row fail.
+    pub failing_instance_looks: Arc<AtomicUsize>,
     /// How long each listing of expired leases takes while set (a slow scan).
     pub stall_scans: Arc<Mutex<Option<std::time::Duration>>>,
     /// How many listings of expired leases were asked for (failed ones too).
@@ -92,6 +94,7 @@ impl FaultyStore {
             stall_next_read: Arc::default(),
             stalled_reads: Arc::default(),
             failing_reads: Arc::default(),
+            failing_instance_looks: Arc::default(),
             stall_scans: Arc::default(),
             scans: Arc::default(),
             failing_attachment_reads: Arc::default(),
@@ -173,11 +176,26 @@ fn injected(what: &str) -> StoreError {
 impl Store for FaultyStore {
     crate::harness::delegate_store!(
         inner;
-        instance, submission, has_queued, claim_next, reclaim,
+        submission, has_queued, claim_next, reclaim,
         aborts_requested, instances_with_queued, claim_joinable, finalize_join, revert_joins,
         request_abort, put_attachment, user_value, set_user_value,
         list_user_values, create_child,
     );
+
+    fn instance(
+        &self,
+        key: &InstanceKey,
+    ) -> BoxFuture<'_, Result<Option<flue_runtime::store::InstanceInfo>, StoreError>> {
+        let fails = self
+            .failing_instance_looks
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
+            .is_ok();
+        if fails {
+            self.failures.fetch_add(1, Ordering::SeqCst);
+            return Box::pin(std::future::ready(Err(injected("instance look"))));
+        }
+        self.inner.instance(key)
+    }
 
     fn admit(&self, admission: Admission) -> BoxFuture<'_, Result<Admitted, StoreError>> {
         Box::pin(async move {
