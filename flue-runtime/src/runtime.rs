@@ -2085,6 +2085,9 @@ impl AgentHandle {
 
     /// Sends a [`SendRequest`] (its `id` is replaced by this handle's) and waits for the reply.
     pub async fn send_request(&self, mut request: SendRequest) -> Result<AgentReply, RuntimeError> {
+        // An id admission refuses takes no place in the instance cache (below, before the
+        // admission), where it would push a warm conversation out.
+        check_instance_id(&self.key.id).map_err(RuntimeError::InvalidRequest)?;
         if *request.id != *self.key.id {
             request.id = self.key.id.to_string();
         }

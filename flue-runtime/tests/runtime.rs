@@ -3216,6 +3216,16 @@ async fn unknown_agents_blank_ids_and_reserved_signals_are_refused_at_admission(
         .await
         .unwrap_err();
     assert!(reserved.to_string().contains("framework-reserved"));
+    // A send through a handle of an id admission refuses is refused as a dispatch is, and
+    // takes no place in the instance cache.
+    for id in [" ", "a/task_b", "x".repeat(513).as_str()] {
+        let refused = runtime.init(&calculator, id).send("hi").await.unwrap_err();
+        assert!(
+            matches!(refused, RuntimeError::InvalidRequest(_)),
+            "{id:?}: {refused:?}"
+        );
+    }
+    assert_eq!(runtime.cached_instance_count(), 0);
 }
 
 #[tokio::test]
