@@ -308,6 +308,36 @@ async fn a_claim_reads_only_the_head_of_the_queue() {
     assert_eq!(claimed.id, "q-1");
 }
 
+/// A row of a status this build does not know (a later build's, after a rollback) is unsettled
+/// work all the same: an admission behind it is queued, not claimed past it.
+#[tokio::test]
+async fn an_admission_does_not_claim_past_a_row_of_a_status_this_build_does_not_know() {
+    use flue_runtime::store::{Admission, Claim, InstanceKey, now_ms};
+    let path = scratch_db();
+    let key = InstanceKey::new("agent", "later");
+    {
+        let store = SqliteStore::open(&path).unwrap();
+        store.admit(admission(&key, "l-1", "hello")).await.unwrap();
+    }
+    raw(&path)
+        .execute(
+            "UPDATE flue_submissions SET status = 'terminalizing' WHERE id = 'l-1'",
+            [],
+        )
+        .unwrap();
+    let store = SqliteStore::open(&path).unwrap();
+    let claiming = Admission {
+        claim: Some(Claim {
+            attempt_id: "attempt-1".into(),
+            owner_id: "node".into(),
+            lease_until_ms: now_ms() + 30_000,
+        }),
+        ..admission(&key, "l-2", "again")
+    };
+    let admitted = store.admit(claiming).await.unwrap();
+    assert!(admitted.claimed.is_none(), "{:?}", admitted.claimed);
+}
+
 #[tokio::test]
 async fn a_conversation_survives_reopening_the_database() {
     use flue_runtime::message::DeliveredMessage;

@@ -117,12 +117,16 @@ impl Index {
             .map_err(super::sql)?;
         for row in rows {
             let (id, agent, instance_id, status, attempt_id) = row.map_err(super::sql)?;
-            // A status this build does not know (a row a later build wrote) is no running
-            // attempt's and no queue's: the index leaves it out, as the old queries' status
-            // filters did, and the row fails where it is read.
-            let Some(status) = super::status_named(&status) else {
-                tracing::warn!(submission = %id, status, "sqlite: a submission has a status this build does not know");
-                continue;
+            // A status this build does not know (a row a later build wrote) is unsettled work
+            // of its instance all the same, so no admission is claimed past it; but no queue's
+            // (`claim_next` fails on it where it reads it) and no attempt's this build could
+            // run: indexed as running under no attempt, which no write's fence matches.
+            let (status, attempt_id) = match super::status_named(&status) {
+                Some(status) => (status, attempt_id),
+                None => {
+                    tracing::warn!(submission = %id, status, "sqlite: a submission has a status this build does not know");
+                    (SubmissionStatus::Running, None)
+                }
             };
             index.set_submission(
                 id,
