@@ -2113,7 +2113,9 @@ impl Store for SqliteStore {
     }
 
     fn attachment(&self, key: &InstanceKey, id: &str) -> BoxFuture<'_, Result<Option<StoredAttachment>, StoreError>> {
-        ready(self.read_transaction(|tx| {
+        // Checked once read, outside the transaction: hashing an image of megabytes there would
+        // hold up every write of the process meanwhile (as parsing a page of batches would).
+        let read = self.read_transaction(|tx| {
             let meta = tx
                 .prepare_cached(
                     "SELECT media_type, size, digest FROM flue_attachments WHERE id = ?1 AND agent = ?2 AND instance_id = ?3",
@@ -2136,16 +2138,15 @@ impl Store for SqliteStore {
             while let Some(row) = rows.next().map_err(sql)? {
                 bytes.extend_from_slice(row.get_ref(0).map_err(sql)?.as_blob().map_err(|e| sql(e.into()))?);
             }
-            StoredAttachment {
+            Ok(Some(StoredAttachment {
                 id: id.to_owned(),
                 media_type,
                 size,
                 digest,
                 bytes,
-            }
-            .verified()
-            .map(Some)
-        }))
+            }))
+        });
+        ready(read.and_then(|found| found.map(StoredAttachment::verified).transpose()))
     }
 
     fn user_value(&self, user_id: &str, key: &str) -> BoxFuture<'_, Result<Option<UserValue>, StoreError>> {
