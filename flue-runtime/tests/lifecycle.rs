@@ -3806,6 +3806,61 @@ async fn item_80_a_hooks_error_or_panic_is_kept_clear_of_the_secrets_env_hands_i
     assert!(logged[0].contains("bearer [redacted]"), "{logged:?}");
 }
 
+/// Retries a failed lookup itself through an API keyed by the billing token, and answers its
+/// failure as an HTTP library's error reads: quoting the URL, key and all.
+#[hook(after_tool_call_success)]
+async fn keyed_retry(state: &ThreadState, _call: &ToolCall, _result: ToolResult) -> Option<ToolResult> {
+    let token = state.env("FLUE_TEST_BILLING_TOKEN").ok()?;
+    Some(ToolResult::error(format!(
+        "retry failed: error sending request for url (https://api.example/v1?key={0}); bearer {0}",
+        token.expose()
+    )))
+}
+
+/// Notes on every tool row which key its lookup used.
+#[hook(before_create_message)]
+async fn keyed_note(state: &ThreadState, mut message: Message) -> Result<Message, HookError> {
+    if message.role == MessageRole::Tool {
+        let token = state
+            .env("FLUE_TEST_BILLING_TOKEN")
+            .map_err(|error| HookError::new(error.to_string()))?;
+        message.content = Some(format!(
+            "{} (looked up with {})",
+            message.content.unwrap_or_default(),
+            token.expose()
+        ));
+    }
+    Ok(message)
+}
+
+#[agent(hooks = [keyed_retry, keyed_note])]
+fn keyed_lookups() -> &'static str {
+    use_model("scripted/x");
+    use_tool(billing);
+    "R"
+}
+
+/// What a hook returns is cleaned of the secrets `env` hands it, as its error and a tool's own
+/// answer are: a replaced tool result, and a row a create hook changed, are stored, served and
+/// read by the model.
+#[tokio::test]
+async fn item_80_what_a_hook_returns_is_kept_clear_of_the_secrets_env_hands_it() {
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("billing", json!({})),
+        ScriptedReply::text("ok"),
+    ]);
+    let runtime = runtime_with(&model, vec![keyed_lookups.into()]);
+    runtime.init(&keyed_lookups, "r").send("bill").await.unwrap();
+    let ModelMessage::Tool { content, .. } = &model.requests()[1].messages[2] else {
+        panic!("a tool result")
+    };
+    assert!(!content.contains("s3cr3t-value"), "{content}");
+    assert!(content.contains("bearer [redacted]"), "{content}");
+    assert!(content.contains("(looked up with [redacted])"), "{content}");
+    let stored = format!("{:?}", bodies(&runtime, "keyed_lookups", "r").await);
+    assert!(!stored.contains("s3cr3t-value"), "{stored}");
+}
+
 /// A memory store whose appends of a thread value take 300 ms (a slow database), and whose
 /// append of a final answer tells [`FINAL_STEP_STORED`] and takes 50 ms more to return.
 #[derive(Clone, Default)]

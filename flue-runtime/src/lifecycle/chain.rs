@@ -14,6 +14,7 @@ use flue_core::lifecycle::{
     ToolResult, ToolStatus,
 };
 use futures_util::FutureExt;
+use serde_json::Value;
 
 use super::HookSet;
 
@@ -55,16 +56,32 @@ pub(crate) async fn call_in<'a, T>(
     call_hook: impl FnOnce() -> HookFuture<'a, T>,
 ) -> Result<T, HookError> {
     call(call_hook).await.map_err(|mut error| {
-        let mut secrets: Vec<flue_core::tool::Secret> = state
-            .declared_secrets()
-            .into_iter()
-            .filter_map(|name| state.env(name).ok())
-            .collect();
-        // Longest first: a secret that begins another is replaced after it.
-        secrets.sort_by_key(|secret| std::cmp::Reverse(secret.expose().len()));
-        error.message = crate::tools::clean_text(&error.message, &secrets, true);
+        error.message = cleaned(state, &error.message);
         error
     })
+}
+
+/// `text` (an error or what a hook made) without what `state`'s `env` hands out (the render's
+/// declared secrets, as they are and trimmed) and without URL secrets.
+pub(crate) fn cleaned(state: &ThreadState, text: &str) -> String {
+    let mut secrets: Vec<flue_core::tool::Secret> = state
+        .declared_secrets()
+        .into_iter()
+        .filter_map(|name| state.env(name).ok())
+        .collect();
+    // Longest first: a secret that begins another is replaced after it.
+    secrets.sort_by_key(|secret| std::cmp::Reverse(secret.expose().len()));
+    crate::tools::clean_text(text, &secrets, true)
+}
+
+/// A tool result a hook returned, cleaned as a tool's own output is: what the hook wrote
+/// into it (an error it quoted, with the URL and key it called) is stored, served and read by
+/// the model.
+fn cleaned_result(state: &ThreadState, mut result: ToolResult) -> ToolResult {
+    for text in [&mut result.result, &mut result.error].into_iter().flatten() {
+        *text = cleaned(state, text);
+    }
+    result
 }
 
 fn panicked(payload: &(dyn std::any::Any + Send)) -> HookError {
@@ -118,7 +135,7 @@ pub(crate) async fn after_system_message(set: &HookSet, state: &ThreadState, mut
     each!(set, HookKind::AfterSystemMessage, |id, handler| {
         if let ThreadHookHandler::AfterSystemMessage(run) = handler {
             match call_in(state, || run(state, text.clone())).await {
-                Ok(Some(replacement)) => text = replacement,
+                Ok(Some(replacement)) => text = cleaned(state, &replacement),
                 Ok(None) => {}
                 Err(error) => log_failure(HookKind::AfterSystemMessage, id, &error),
             }
@@ -169,6 +186,9 @@ pub(crate) async fn before_create_message(
             match call_in(state, || run(state, row.clone())).await {
                 Ok(mut changed) => {
                     changed.id = std::mem::take(&mut row.id);
+                    if let Some(content) = &mut changed.content {
+                        *content = cleaned(state, content);
+                    }
                     row = changed;
                 }
                 Err(error) => {
@@ -211,7 +231,12 @@ pub(crate) async fn before_update_message(
                     Err(refused) => Err(HookError::new(refused.to_string())),
                 });
             match changed {
-                Ok(changed) => updates = changed,
+                Ok(mut changed) => {
+                    if let Some(Value::String(content)) = changed.get_mut("content") {
+                        *content = cleaned(state, content);
+                    }
+                    updates = changed;
+                }
                 Err(error) => {
                     log_failure(HookKind::BeforeUpdateMessage, id, &error);
                     return Err(Prevented {
@@ -281,7 +306,7 @@ pub(crate) async fn after_tool_call(
             _ => continue,
         };
         match call_in(state, || run(state, tool_call, result.clone())).await {
-            Ok(Some(replacement)) => result = replacement,
+            Ok(Some(replacement)) => result = cleaned_result(state, replacement),
             Ok(None) => {}
             Err(error) => log_failure(kind, id, &error),
         }
@@ -299,7 +324,7 @@ pub(crate) async fn before_store_tool_result(
     each!(set, HookKind::BeforeStoreToolResult, |id, handler| {
         if let ThreadHookHandler::BeforeStoreToolResult(run) = handler {
             match call_in(state, || run(state, tool_call, result.clone())).await {
-                Ok(stored) => result = stored,
+                Ok(stored) => result = cleaned_result(state, stored),
                 Err(error) => log_failure(HookKind::BeforeStoreToolResult, id, &error),
             }
         }
