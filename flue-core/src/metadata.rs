@@ -29,6 +29,15 @@ pub fn merge_metadata(base: &mut Metadata, patch: Metadata) {
     }
 }
 
+/// `patch` as [`merge_metadata`] would apply it: without its `null` members and polluting keys,
+/// at every depth. A client that merges `null` as a value (the reference's SDK does) and is
+/// sent this instead of `patch` holds what the merge made.
+pub fn applied_part(patch: &Metadata) -> Metadata {
+    let mut applied = Metadata::new();
+    merge_metadata(&mut applied, patch.clone());
+    applied
+}
+
 /// Drops the polluting keys and `null` members from objects nested in a value placed whole.
 fn sanitize(value: Value) -> Value {
     match value {

@@ -602,7 +602,10 @@ impl Projection {
                     return;
                 };
                 self.merge_metadata(&response_id, metadata);
-                out.push(json!({"type": "message-metadata", "messageId": response_id, "metadata": metadata}));
+                // As merged: a client merges a `null` member as a value, where the merge skips it
+                // (an object of `null`s still makes the response's metadata, `{}`, as here).
+                let applied = flue_core::metadata::applied_part(metadata);
+                out.push(json!({"type": "message-metadata", "messageId": response_id, "metadata": applied}));
             }
             RecordBody::SubmissionSettled { outcome, error } => {
                 let Some(submission) = submission else { return };
@@ -664,7 +667,10 @@ impl Projection {
                         .message_mut(&shown)
                         .is_some_and(|message| message.contains_key("metadata"))
                 {
-                    out.push(json!({"type": "message-metadata", "messageId": shown, "metadata": metadata}));
+                    // As merged: a client merges a `null` member as a value, where the merge
+                    // skips it.
+                    let applied = flue_core::metadata::applied_part(metadata);
+                    out.push(json!({"type": "message-metadata", "messageId": shown, "metadata": applied}));
                 }
             }
             RecordBody::MessageDeleted { message_id } => {

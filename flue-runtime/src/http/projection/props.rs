@@ -831,6 +831,19 @@ fn deep_merge(base: &mut Map<String, Value>, patch: &Map<String, Value>) {
     }
 }
 
+/// Deep-merges `patch` into `base` as the reference SDK's client does: later members win,
+/// `null` ones included; objects on both sides merge.
+fn sdk_merge(base: &mut Map<String, Value>, patch: &Map<String, Value>) {
+    for (key, value) in patch {
+        match (base.get_mut(key), value) {
+            (Some(Value::Object(existing)), Value::Object(incoming)) => sdk_merge(existing, incoming),
+            (_, value) => {
+                base.insert(key.clone(), value.clone());
+            }
+        }
+    }
+}
+
 #[derive(Default)]
 struct Model {
     messages: Vec<Message>,
@@ -1372,8 +1385,8 @@ impl Client {
     }
 
     /// `message-metadata` (and a `message-started` carrying metadata): deep-merged into the
-    /// message's metadata (made when it has none), as the crate's client merges it into a
-    /// reply's (`client.rs`).
+    /// message's metadata (made when it has none), as the reference SDK's reducer merges it: a
+    /// `null` member is a value like any other (only the crate's own merge skips it).
     fn merge_metadata(&mut self, chunk: &Value) {
         let Some(metadata) = chunk["metadata"].as_object() else {
             return;
@@ -1381,7 +1394,7 @@ impl Client {
         if let Some(Value::Object(message)) = self.message(&chunk["messageId"])
             && let Value::Object(target) = message.entry("metadata").or_insert_with(|| json!({}))
         {
-            deep_merge(target, metadata);
+            sdk_merge(target, metadata);
         }
     }
 
