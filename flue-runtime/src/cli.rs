@@ -469,10 +469,12 @@ pub async fn execute_with(
 ///
 /// A stop after it aborts the instance's unsettled work, what the user meant by stopping (a
 /// later process would otherwise finish it, spending model and tool calls): on a store of this
-/// process alone, that work is this command's. On a [shared](crate::store::Store::shared)
-/// store (several nodes on one Postgres) it may be other clients' messages too, and an abort
-/// is instance-wide (reference §3.10), so nothing is aborted there: the message is given back
-/// to the queue as the process stops, for the next node that runs the instance.
+/// process alone, that work is this command's, unless the instance held work before it was
+/// sent (messages a stopped `serve` gave back to the queue, or a crashed process left
+/// running). Then, and on a [shared](crate::store::Store::shared) store (several nodes on one
+/// Postgres), it may be other clients' messages too, and an abort is instance-wide (reference
+/// §3.10), so nothing is aborted: the message is given back to the queue as the process
+/// stops, for the next process that runs the instance.
 async fn send_until(
     runtime: &Runtime,
     agent: &str,
@@ -481,6 +483,7 @@ async fn send_until(
     stop: impl Future<Output = StopSignal>,
 ) -> Result<crate::AgentReply, CliError> {
     use futures_util::FutureExt as _;
+    let others = holds_work(runtime, &crate::store::InstanceKey::new(agent, id.clone())).await;
     let handle = runtime.handle(agent, id)?;
     let send = handle.send(message);
     tokio::pin!(send, stop);
@@ -495,6 +498,12 @@ async fn send_until(
     if runtime.store().shared() {
         tracing::warn!(
             "stopped: on a shared store the message is not aborted (the instance may hold other clients' messages); it is left queued for the next node that runs the instance"
+        );
+        return Err(signal.into());
+    }
+    if others {
+        tracing::warn!(
+            "stopped: the message is not aborted, since the instance held other messages when it was sent (an abort would end them too); it is left queued for the next process that runs the instance"
         );
         return Err(signal.into());
     }
@@ -513,6 +522,22 @@ async fn send_until(
         }
     }
     Err(signal.into())
+}
+
+/// Whether the instance `key` holds unsettled work: queued messages, or running ones (leased
+/// by a process that stopped or crashed, or already taken up by this one's workers). A store
+/// that cannot tell counts as holding some.
+async fn holds_work(runtime: &Runtime, key: &crate::store::InstanceKey) -> bool {
+    let store = runtime.store();
+    if store.has_queued(key).await.unwrap_or(true) {
+        return true;
+    }
+    // Every running row: no lease runs a day ahead.
+    const DAY_MS: u64 = 24 * 60 * 60 * 1000;
+    store
+        .expired(crate::store::now_ms().saturating_add(DAY_MS))
+        .await
+        .map_or(true, |running| running.iter().any(|submission| submission.key == *key))
 }
 
 /// Which stop signal came.
@@ -610,14 +635,15 @@ pub enum CliError {
     #[error("{0}")]
     Io(String),
     /// `run` was interrupted (Ctrl-C) before the reply came: the message was aborted (given
-    /// back to the queue on a shared store), or not sent when the stop came first.
+    /// back to the queue on a shared store, or when the instance held other messages before
+    /// it), or not sent when the stop came first.
     #[error(
-        "interrupted before the reply: the message, if it was sent, was aborted (or, on a shared store, left queued)"
+        "interrupted before the reply: the message, if it was sent, was aborted (or, on a shared store or behind other messages, left queued)"
     )]
     Interrupted,
     /// As [`CliError::Interrupted`], by SIGTERM.
     #[error(
-        "terminated before the reply: the message, if it was sent, was aborted (or, on a shared store, left queued)"
+        "terminated before the reply: the message, if it was sent, was aborted (or, on a shared store or behind other messages, left queued)"
     )]
     Terminated,
     /// The standard output was closed by its reader (`my-agents run … | head -1`): what the
@@ -774,10 +800,21 @@ mod tests {
     /// back to the queue, another node finishes it).
     #[tokio::test]
     async fn a_run_stopped_on_a_shared_store_aborts_no_message_of_the_instance() {
+        a_run_stopped_beside_another_message(crate::store::MemoryStore::new().pretending_shared()).await;
+    }
+
+    /// On a store of its own, an instance holding a message before `run` sent its own (one a
+    /// stopped `serve` gave back to the queue) holds another client's: stopping `run` aborts
+    /// neither.
+    #[tokio::test]
+    async fn a_run_stopped_behind_a_message_it_did_not_send_aborts_no_message_of_the_instance() {
+        a_run_stopped_beside_another_message(crate::store::MemoryStore::new()).await;
+    }
+
+    async fn a_run_stopped_beside_another_message(store: crate::store::MemoryStore) {
         let model = ScriptedModel::new([ScriptedReply::tool_call("wait_forever", serde_json::json!({}))]);
         let mut providers = crate::provider::ProviderRegistry::new();
         providers.register(model.clone());
-        let store = crate::store::MemoryStore::new().pretending_shared();
         let runtime = Runtime::builder()
             .store(store.clone())
             .providers(providers)
