@@ -83,6 +83,9 @@ const POOL_SIZE: usize = 16;
 /// Connections of the heartbeat's own pool (per store), beside [`POOL_SIZE`]: lease renewals
 /// never wait behind the node's other work for a connection.
 const HEARTBEAT_POOL_SIZE: usize = 1;
+/// The least time a lease renewal is given before its connection is taken for dead (see
+/// [`PostgresStore`]'s `renew_leases`).
+const RENEWAL_DEADLINE_FLOOR: Duration = Duration::from_secs(1);
 /// How long to wait for a new connection, or for a free one.
 const POOL_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -1792,24 +1795,46 @@ impl Store for PostgresStore {
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
         let owner_id = owner_id.to_owned();
         let attempt_ids = attempt_ids.to_vec();
+        // A third of the lease left: a renewal on a connection that died silently fails in
+        // time for the next beat to connect afresh and renew before the leases lapse (the dead
+        // connection bound alone, `DEAD_CONNECTION`, is as long as the whole margin of the
+        // default lease and heartbeat).
+        let deadline =
+            Duration::from_millis(lease_until_ms.saturating_sub(self.clock.node_now()) / 3).max(RENEWAL_DEADLINE_FLOOR);
         Box::pin(async move {
-            // The heartbeat follows the node's clock too if it stepped since the last scan: a
-            // lease written under a stale offset would outlive (or undercut) its node by the
-            // step, and a node that dies before its next scan would leave it so.
             // One connection for the measure and the renewal: the heartbeat's own, which the
             // node's other work never holds.
-            let client = self.heartbeat.get().await.map_err(|error| {
-                StoreError::Other(format!("postgres: no database connection: {}", error_chain(&error)))
-            })?;
-            let measured = self.clock_offset_on(&client).await?;
-            self.clock.update(measured, false);
-            let lease = self.clock.to_database(lease_until_ms).to_string();
-            // One statement, atomic on its own: no transaction to open and commit (one round
-            // trip, and no transaction a stalled node could leave open between them).
-            retrying!(async {
-                let statement = client.prepare_cached(RENEW).await?;
-                Ok::<_, Failure>(client.execute(&statement, &[&owner_id, &lease, &attempt_ids]).await?)
-            })
+            let mut held = None;
+            let renewal = async {
+                let client = held.insert(self.heartbeat.get().await.map_err(|error| {
+                    StoreError::Other(format!("postgres: no database connection: {}", error_chain(&error)))
+                })?);
+                // The heartbeat follows the node's clock too if it stepped since the last scan:
+                // a lease written under a stale offset would outlive (or undercut) its node by
+                // the step, and a node that dies before its next scan would leave it so.
+                let measured = self.clock_offset_on(client).await?;
+                self.clock.update(measured, false);
+                let lease = self.clock.to_database(lease_until_ms).to_string();
+                // One statement, atomic on its own: no transaction to open and commit (one
+                // round trip, and no transaction a stalled node could leave open between them).
+                retrying!(async {
+                    let statement = client.prepare_cached(RENEW).await?;
+                    Ok::<_, Failure>(client.execute(&statement, &[&owner_id, &lease, &attempt_ids]).await?)
+                })
+            };
+            match tokio::time::timeout(deadline, renewal).await {
+                Ok(renewed) => renewed,
+                Err(_) => {
+                    // The connection may be dead: out of the pool, so the next beat connects.
+                    if let Some(client) = held.take() {
+                        drop(deadpool_postgres::Object::take(client));
+                    }
+                    Err(StoreError::Other(format!(
+                        "postgres: renewing leases took more than {} ms",
+                        deadline.as_millis()
+                    )))
+                }
+            }
         })
     }
 
@@ -2561,6 +2586,36 @@ mod tests {
             "the cut-off batch is not in the stream"
         );
         cut.abort();
+    }
+
+    /// A renewal whose connection went silent (cut off mid-call, as a failover that lost the
+    /// host leaves it) fails within a third of the lease left, and its connection leaves the
+    /// heartbeat's pool: the next renewal connects afresh and is answered.
+    #[tokio::test]
+    async fn a_renewal_cut_off_mid_call_fails_in_time_and_the_next_one_connects_afresh() {
+        let Some(url) = test_url() else { return };
+        let schema = fresh_schema();
+        PostgresStore::connect_with_schema(&url, &schema).await.unwrap();
+        let through = cutting_proxy(&url, b"cut-off-here").await;
+        let proxied = PostgresStore::connect_with_schema(&through, &schema).await.unwrap();
+        let cut = tokio::time::timeout(
+            Duration::from_secs(10),
+            proxied.renew_leases("node", &["cut-off-here".into()], super::super::now_ms() + 3_000),
+        )
+        .await
+        .expect("the cut-off renewal ends within its deadline");
+        assert!(
+            cut.as_ref()
+                .is_err_and(|error| error.to_string().contains("renewing leases took more than")),
+            "{cut:?}"
+        );
+        let renewed = tokio::time::timeout(
+            Duration::from_secs(10),
+            proxied.renew_leases("node", &["another".into()], super::super::now_ms() + 3_000),
+        )
+        .await
+        .expect("the next renewal is answered on a new connection");
+        assert_eq!(renewed.unwrap(), 0);
     }
 
     /// What the store wrote reads back however deep a value in it is nested (127 levels, the
