@@ -465,7 +465,8 @@ pub async fn execute_with(
 
 /// Sends `message` to `agent`'s instance `id` and waits for its reply, unless `stop` comes
 /// first: then the command ends as [`CliError::Interrupted`] (or [`CliError::Terminated`],
-/// for SIGTERM), and a stop before the message was sent sends nothing.
+/// for SIGTERM), and a stop before the message was sent sends nothing. A stop that came after
+/// the answer was durable (while finish callbacks ran) ends nothing: the reply is returned.
 ///
 /// A stop after it aborts the instance's unsettled work, what the user meant by stopping (a
 /// later process would otherwise finish it, spending model and tool calls): on a store of this
@@ -514,10 +515,13 @@ async fn send_until(
         if let Err(error) = handle.abort().await {
             tracing::warn!(%error, "aborting the interrupted message failed");
         }
-        if tokio::time::timeout(Duration::from_millis(500), &mut send)
-            .await
-            .is_ok()
-        {
+        if let Ok(settled) = tokio::time::timeout(Duration::from_millis(500), &mut send).await {
+            // The abort lost the race to the response's end (its answer was durable before the
+            // abort came): the message completed, and its reply is the command's.
+            if let Ok(reply) = settled {
+                tracing::warn!("stopped too late: the message had been answered already; its reply follows");
+                return Ok(reply);
+            }
             break;
         }
     }
@@ -857,6 +861,42 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(!row.abort_requested, "another client's message is not aborted");
+    }
+
+    /// Tells [`STOP_NOW`] at the would-stop point, then takes a while.
+    #[crate::agent(crate = "crate")]
+    fn slow_finisher() -> &'static str {
+        use_model("scripted/f");
+        use_agent_finish(|_ctx| async {
+            STOP_NOW.notify_one();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        });
+        "Finish slowly."
+    }
+
+    static STOP_NOW: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+    /// A stop that comes once the answer is durable (while finish callbacks run) loses the race
+    /// to completion: the message completes, and `run` answers its reply, not "aborted".
+    #[tokio::test]
+    async fn a_run_stopped_after_its_answer_was_durable_answers_the_reply() {
+        let model = ScriptedModel::new([ScriptedReply::text("done")]);
+        let mut providers = crate::provider::ProviderRegistry::new();
+        providers.register(model);
+        let runtime = Runtime::builder()
+            .store(crate::store::MemoryStore::new())
+            .providers(providers)
+            .agent(slow_finisher)
+            .build()
+            .unwrap();
+        let reply = send_until(&runtime, "slow_finisher", "f".into(), "go".into(), async {
+            STOP_NOW.notified().await;
+            StopSignal::Interrupt
+        })
+        .await
+        .unwrap();
+        assert_eq!(reply.text, "done");
     }
 
     async fn a_run_stopped_by(signal: StopSignal, code: i32) {
