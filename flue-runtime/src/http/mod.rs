@@ -514,20 +514,18 @@ fn routes(runtime: Arc<RuntimeInner>, agent: &str, options: Arc<HttpOptions>, sh
         .with_state(state)
 }
 
+/// What a guard's middleware answers.
+type Guarding = std::pin::Pin<Box<dyn Future<Output = Response> + Send>>;
+
 /// The guard of a route that names no instance: of `agent`'s, or of none.
 fn guarded(
     options: &Arc<HttpOptions>,
     agent: Option<&str>,
-) -> axum::middleware::FromFnLayer<
-    impl Fn(Request, Next) -> std::pin::Pin<Box<dyn Future<Output = Response> + Send>> + Clone + Send + Sync + 'static,
-    (),
-    (Request,),
-> {
+) -> axum::middleware::FromFnLayer<impl Fn(Request, Next) -> Guarding + Clone + Send + Sync + 'static, (), (Request,)> {
     let (options, agent) = (options.clone(), agent.map(str::to_owned));
     axum::middleware::from_fn(move |request: Request, next: Next| {
         let (options, agent) = (options.clone(), agent.clone());
-        Box::pin(async move { guard(&options, agent.as_deref(), None, None, request, next).await })
-            as std::pin::Pin<Box<dyn Future<Output = Response> + Send>>
+        Box::pin(async move { guard(&options, agent.as_deref(), None, None, request, next).await }) as Guarding
     })
 }
 
