@@ -167,7 +167,14 @@ impl flue_core::log::LogSink for CleanLog {
 /// `text` without the values of `secrets` (longest first; as they are, JSON-escaped or
 /// percent-encoded), and, when `urls`, without a URL's secrets.
 pub(crate) fn clean_text(text: &str, secrets: &[flue_core::tool::Secret], urls: bool) -> String {
-    let text = secrets.iter().fold(text.to_owned(), |text, secret| {
+    // URLs first: a secret in a URL's query goes with it, rather than leaving the `]` of its
+    // `[redacted]` behind the cut (`…/v1])`).
+    let text = if urls {
+        flue_core::url::without_url_secrets(text)
+    } else {
+        text.to_owned()
+    };
+    secrets.iter().fold(text, |text, secret| {
         // Also as code that trimmed it would use it: a value mounted from a file (a
         // Kubernetes secret) often ends with a line break no URL or header can hold.
         let (whole, trimmed) = (secret.expose(), secret.expose().trim());
@@ -177,12 +184,7 @@ pub(crate) fn clean_text(text: &str, secrets: &[flue_core::tool::Secret], urls: 
         } else {
             text
         }
-    });
-    if urls {
-        flue_core::url::without_url_secrets(&text)
-    } else {
-        text
-    }
+    })
 }
 
 /// `output` as the model, the records and the observers get it: without the values of the

@@ -3825,7 +3825,7 @@ async fn keyed_note(state: &ThreadState, mut message: Message) -> Result<Message
             .env("FLUE_TEST_BILLING_TOKEN")
             .map_err(|error| HookError::new(error.to_string()))?;
         message.content = Some(format!(
-            "{} (looked up with {})",
+            "{} (looked up with {}; see https://docs.example/lookups?page=2)",
             message.content.unwrap_or_default(),
             token.expose()
         ));
@@ -3856,7 +3856,15 @@ async fn item_80_what_a_hook_returns_is_kept_clear_of_the_secrets_env_hands_it()
     };
     assert!(!content.contains("s3cr3t-value"), "{content}");
     assert!(content.contains("bearer [redacted]"), "{content}");
-    assert!(content.contains("(looked up with [redacted])"), "{content}");
+    // What is no error keeps its URLs whole (only an error's lose their query, as a tool's).
+    assert!(
+        content.contains("(looked up with [redacted]; see https://docs.example/lookups?page=2)"),
+        "{content}"
+    );
+    assert!(
+        content.contains("error sending request for url (https://api.example/v1); bearer [redacted]"),
+        "the error's URL loses its query: {content}"
+    );
     let stored = format!("{:?}", bodies(&runtime, "keyed_lookups", "r").await);
     assert!(!stored.contains("s3cr3t-value"), "{stored}");
 }

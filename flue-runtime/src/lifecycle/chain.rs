@@ -56,14 +56,15 @@ pub(crate) async fn call_in<'a, T>(
     call_hook: impl FnOnce() -> HookFuture<'a, T>,
 ) -> Result<T, HookError> {
     call(call_hook).await.map_err(|mut error| {
-        error.message = cleaned(state, &error.message);
+        error.message = cleaned(state, &error.message, true);
         error
     })
 }
 
-/// `text` (an error or what a hook made) without what `state`'s `env` hands out (the render's
-/// declared secrets, as they are and trimmed) and without URL secrets.
-pub(crate) fn cleaned(state: &ThreadState, text: &str) -> String {
+/// `text` without what `state`'s `env` hands out (the render's declared secrets, as they are
+/// and trimmed), and, for an error's text (`urls`), without the userinfo, query and fragment
+/// of the URLs it quotes, as a tool's error is.
+fn cleaned(state: &ThreadState, text: &str, urls: bool) -> String {
     let mut secrets: Vec<flue_core::tool::Secret> = state
         .declared_secrets()
         .into_iter()
@@ -71,16 +72,25 @@ pub(crate) fn cleaned(state: &ThreadState, text: &str) -> String {
         .collect();
     // Longest first: a secret that begins another is replaced after it.
     secrets.sort_by_key(|secret| std::cmp::Reverse(secret.expose().len()));
-    crate::tools::clean_text(text, &secrets, true)
+    crate::tools::clean_text(text, &secrets, urls)
 }
 
-/// A tool result a hook returned, cleaned as a tool's own output is: what the hook wrote
-/// into it (an error it quoted, with the URL and key it called) is stored, served and read by
-/// the model.
-fn cleaned_result(state: &ThreadState, mut result: ToolResult) -> ToolResult {
-    for text in [&mut result.result, &mut result.error].into_iter().flatten() {
-        *text = cleaned(state, text);
+/// `changed`, a text a hook returned for `before`, cleaned as a tool's answer is when the
+/// hook changed it (what it wrote, a failure it quoted with the key it called, is stored,
+/// served and read by the model); as it is when the hook passed it on.
+fn cleaned_if_changed(state: &ThreadState, before: Option<&str>, changed: &mut Option<String>, urls: bool) {
+    if let Some(text) = changed
+        && before != Some(text.as_str())
+    {
+        *text = cleaned(state, text, urls);
     }
+}
+
+/// A tool result a hook returned for `before`: what it changed cleaned as a tool's answer is
+/// (a result of the secrets `env` hands out; an error of them and of URL secrets too).
+fn cleaned_result(state: &ThreadState, before: &ToolResult, mut result: ToolResult) -> ToolResult {
+    cleaned_if_changed(state, before.result.as_deref(), &mut result.result, false);
+    cleaned_if_changed(state, before.error.as_deref(), &mut result.error, true);
     result
 }
 
@@ -135,7 +145,11 @@ pub(crate) async fn after_system_message(set: &HookSet, state: &ThreadState, mut
     each!(set, HookKind::AfterSystemMessage, |id, handler| {
         if let ThreadHookHandler::AfterSystemMessage(run) = handler {
             match call_in(state, || run(state, text.clone())).await {
-                Ok(Some(replacement)) => text = cleaned(state, &replacement),
+                Ok(Some(replacement)) => {
+                    let mut replaced = Some(replacement);
+                    cleaned_if_changed(state, Some(&text), &mut replaced, false);
+                    text = replaced.unwrap_or_default();
+                }
                 Ok(None) => {}
                 Err(error) => log_failure(HookKind::AfterSystemMessage, id, &error),
             }
@@ -186,9 +200,7 @@ pub(crate) async fn before_create_message(
             match call_in(state, || run(state, row.clone())).await {
                 Ok(mut changed) => {
                     changed.id = std::mem::take(&mut row.id);
-                    if let Some(content) = &mut changed.content {
-                        *content = cleaned(state, content);
-                    }
+                    cleaned_if_changed(state, row.content.as_deref(), &mut changed.content, false);
                     row = changed;
                 }
                 Err(error) => {
@@ -232,8 +244,11 @@ pub(crate) async fn before_update_message(
                 });
             match changed {
                 Ok(mut changed) => {
-                    if let Some(Value::String(content)) = changed.get_mut("content") {
-                        *content = cleaned(state, content);
+                    let before = updates.get("content").and_then(Value::as_str);
+                    if let Some(Value::String(content)) = changed.get_mut("content")
+                        && before != Some(content.as_str())
+                    {
+                        *content = cleaned(state, content, false);
                     }
                     updates = changed;
                 }
@@ -306,7 +321,7 @@ pub(crate) async fn after_tool_call(
             _ => continue,
         };
         match call_in(state, || run(state, tool_call, result.clone())).await {
-            Ok(Some(replacement)) => result = cleaned_result(state, replacement),
+            Ok(Some(replacement)) => result = cleaned_result(state, &result, replacement),
             Ok(None) => {}
             Err(error) => log_failure(kind, id, &error),
         }
@@ -324,7 +339,7 @@ pub(crate) async fn before_store_tool_result(
     each!(set, HookKind::BeforeStoreToolResult, |id, handler| {
         if let ThreadHookHandler::BeforeStoreToolResult(run) = handler {
             match call_in(state, || run(state, tool_call, result.clone())).await {
-                Ok(stored) => result = cleaned_result(state, stored),
+                Ok(stored) => result = cleaned_result(state, &result, stored),
                 Err(error) => log_failure(HookKind::BeforeStoreToolResult, id, &error),
             }
         }
