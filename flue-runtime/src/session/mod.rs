@@ -2720,7 +2720,8 @@ impl Response<'_> {
     }
 
     /// The would-stop point (reference §3.7, step 12), where the turns ended: the model
-    /// answered without calls, or a terminating batch ended them. Calls queued with
+    /// answered without calls, a terminating batch ended them, or no step is left after a
+    /// batch (`max_steps` spent, or the execution stopped). Calls queued with
     /// `queue_tool` run first (the model sees their results),
     /// then queued deliveries join (while the response `can_step`), then `use_agent_finish`
     /// runs: an append continues the response, a counted cycle committed with its signals.
