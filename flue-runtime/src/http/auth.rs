@@ -29,9 +29,12 @@ pub struct AccessRequest<'a> {
     pub path: &'a str,
     /// The headers (the credentials are here).
     pub headers: &'a HeaderMap,
-    /// The agent addressed; `None` for the catalog.
+    /// The agent addressed; `None` for the catalog and for a path no route serves (the
+    /// policy is asked before such a request is answered 404, so that an unauthorized client
+    /// cannot tell agents' names from others).
     pub agent: Option<&'a str>,
-    /// The instance addressed; `None` for the catalog and user routes.
+    /// The instance addressed; `None` for the catalog, user routes, a path no route serves,
+    /// and an agent's path without an instance id (`/agents/<name>/`).
     pub instance_id: Option<&'a str>,
     /// The user addressed (`/users/:userId/events`); `None` elsewhere.
     pub user_id: Option<&'a str>,
