@@ -484,7 +484,9 @@ async fn send_until(
     stop: impl Future<Output = StopSignal>,
 ) -> Result<crate::AgentReply, CliError> {
     use futures_util::FutureExt as _;
-    let others = holds_work(runtime, &crate::store::InstanceKey::new(agent, id.clone())).await;
+    // Looked at only where a stop would abort (not on a shared store).
+    let others =
+        !runtime.store().shared() && holds_work(runtime, &crate::store::InstanceKey::new(agent, id.clone())).await;
     let handle = runtime.handle(agent, id)?;
     let send = handle.send(message);
     tokio::pin!(send, stop);
@@ -536,10 +538,9 @@ async fn holds_work(runtime: &Runtime, key: &crate::store::InstanceKey) -> bool 
     if store.has_queued(key).await.unwrap_or(true) {
         return true;
     }
-    // Every running row: no lease runs a day ahead.
-    const DAY_MS: u64 = 24 * 60 * 60 * 1000;
+    // Every running row: a lease ends before the latest time the stores keep (signed 64-bit).
     store
-        .expired(crate::store::now_ms().saturating_add(DAY_MS))
+        .expired(i64::MAX as u64)
         .await
         .map_or(true, |running| running.iter().any(|submission| submission.key == *key))
 }
