@@ -137,6 +137,19 @@ impl FaultyStore {
         *fault = None;
     }
 
+    /// The injected failure of `what`, counted in `failures`, while `left` says more of its
+    /// calls fail (one fewer each time); `None` once none are left.
+    fn fails<T: Send + 'static>(
+        &self,
+        left: &AtomicUsize,
+        what: &str,
+    ) -> Option<BoxFuture<'static, Result<T, StoreError>>> {
+        left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
+            .ok()?;
+        self.failures.fetch_add(1, Ordering::SeqCst);
+        Some(Box::pin(std::future::ready(Err(injected(what)))))
+    }
+
     /// Whether a write of `records` to `key` fails now (counted; a one-time fault is spent).
     fn injects_failure(&self, key: &InstanceKey, records: &[Record]) -> bool {
         let mut fault = self.fault.lock().unwrap();
@@ -186,13 +199,8 @@ impl Store for FaultyStore {
         &self,
         key: &InstanceKey,
     ) -> BoxFuture<'_, Result<Option<flue_runtime::store::InstanceInfo>, StoreError>> {
-        let fails = self
-            .failing_instance_looks
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
-            .is_ok();
-        if fails {
-            self.failures.fetch_add(1, Ordering::SeqCst);
-            return Box::pin(std::future::ready(Err(injected("instance look"))));
+        if let Some(failed) = self.fails(&self.failing_instance_looks, "instance look") {
+            return failed;
         }
         self.inner.instance(key)
     }
@@ -228,12 +236,8 @@ impl Store for FaultyStore {
     }
 
     fn requeue(&self, attempt: &AttemptRef) -> BoxFuture<'_, Result<bool, StoreError>> {
-        let failing = self
-            .failing_requeues
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1));
-        if failing.is_ok() {
-            self.failures.fetch_add(1, Ordering::SeqCst);
-            return Box::pin(std::future::ready(Err(injected("requeue"))));
+        if let Some(failed) = self.fails(&self.failing_requeues, "requeue") {
+            return failed;
         }
         self.inner.requeue(attempt)
     }
@@ -243,12 +247,8 @@ impl Store for FaultyStore {
         key: &InstanceKey,
         id: &str,
     ) -> BoxFuture<'_, Result<Option<flue_runtime::store::StoredAttachment>, StoreError>> {
-        let failing = self
-            .failing_attachment_reads
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1));
-        if failing.is_ok() {
-            self.failures.fetch_add(1, Ordering::SeqCst);
-            return Box::pin(std::future::ready(Err(injected("attachment read"))));
+        if let Some(failed) = self.fails(&self.failing_attachment_reads, "attachment read") {
+            return failed;
         }
         if self
             .missing_attachments
@@ -305,13 +305,8 @@ impl Store for FaultyStore {
         if stall.is_some() {
             self.stalled_reads.fetch_add(1, Ordering::SeqCst);
         }
-        let fails = self
-            .failing_reads
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
-            .is_ok();
-        if fails {
-            self.failures.fetch_add(1, Ordering::SeqCst);
-            return Box::pin(std::future::ready(Err(injected("read"))));
+        if let Some(failed) = self.fails(&self.failing_reads, "read") {
+            return failed;
         }
         let key = key.clone();
         Box::pin(async move {
