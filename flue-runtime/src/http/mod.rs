@@ -166,11 +166,11 @@ pub struct HttpOptions {
     /// initial data and a signal's attributes take room for what their nodes weigh too (dense
     /// JSON parses to many times its text), up to the whole room. One whose next bytes, or
     /// whose parsed nodes, find no room is answered 503 `server_busy` at once (with
-    /// `Retry-After`), and frees what it
-    /// held. Many clients sending large bodies cannot make the server hold more than this
-    /// (nor parse more than this at once), and a client sending slowly holds only what it
-    /// sent, for as long as [`request_body_deadline`](Self::request_body_deadline) lets it:
-    /// clients that send this much and then trickle keep others' messages out until then.
+    /// `Retry-After`), and frees what it held. Many clients sending large bodies cannot make
+    /// the server hold more than this (nor parse more than this at once), and a client sending
+    /// slowly holds only what it sent, for as long as
+    /// [`request_body_deadline`](Self::request_body_deadline) lets it: clients that send this
+    /// much and then trickle keep others' messages out until then.
     /// Shared by the agents of one [`router_with`]; each [`agent_router`] has its own.
     pub max_buffered_request_bytes: usize,
     /// About how many bytes the reads that fold a conversation themselves hold at once, all
