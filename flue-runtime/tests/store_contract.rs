@@ -283,7 +283,7 @@ fn a_refused_store_keeps_its_journal_mode() {
 
 #[tokio::test]
 async fn a_claim_reads_only_the_head_of_the_queue() {
-    use flue_runtime::store::{Claim, InstanceKey, now_ms};
+    use flue_runtime::store::InstanceKey;
     let path = scratch_db();
     let store = SqliteStore::open(&path).unwrap();
     let key = InstanceKey::new("agent", "queue");
@@ -295,11 +295,7 @@ async fn a_claim_reads_only_the_head_of_the_queue() {
     raw(&path)
         .execute("UPDATE flue_submissions SET data = 'not json' WHERE id = 'q-2'", [])
         .unwrap();
-    let claim = Claim {
-        attempt_id: "attempt-1".into(),
-        owner_id: "node".into(),
-        lease_until_ms: now_ms() + 30_000,
-    };
+    let claim = contract::claim("attempt-1");
     let claimed = store
         .claim_next(&key, &claim)
         .await
@@ -312,7 +308,7 @@ async fn a_claim_reads_only_the_head_of_the_queue() {
 /// work all the same: an admission behind it is queued, not claimed past it.
 #[tokio::test]
 async fn an_admission_does_not_claim_past_a_row_of_a_status_this_build_does_not_know() {
-    use flue_runtime::store::{Admission, Claim, InstanceKey, now_ms};
+    use flue_runtime::store::{Admission, InstanceKey};
     let path = scratch_db();
     let key = InstanceKey::new("agent", "later");
     {
@@ -327,11 +323,7 @@ async fn an_admission_does_not_claim_past_a_row_of_a_status_this_build_does_not_
         .unwrap();
     let store = SqliteStore::open(&path).unwrap();
     let claiming = Admission {
-        claim: Some(Claim {
-            attempt_id: "attempt-1".into(),
-            owner_id: "node".into(),
-            lease_until_ms: now_ms() + 30_000,
-        }),
+        claim: Some(contract::claim("attempt-1")),
         ..admission(&key, "l-2", "again")
     };
     let admitted = store.admit(claiming).await.unwrap();
@@ -555,14 +547,9 @@ const WITHOUT_ATTEMPT_COLUMN: &str = "
 
 /// Leaves at `path` a store whose submission `run-1` on `key` runs as `attempt-1`.
 async fn leave_a_running_attempt(path: &std::path::Path, key: &flue_runtime::store::InstanceKey) {
-    use flue_runtime::store::{Claim, now_ms};
     let store = SqliteStore::open(path).unwrap();
     store.admit(admission(key, "run-1", "hello")).await.unwrap();
-    let claim = Claim {
-        attempt_id: "attempt-1".into(),
-        owner_id: "node".into(),
-        lease_until_ms: now_ms() + 30_000,
-    };
+    let claim = contract::claim("attempt-1");
     assert!(store.claim_next(key, &claim).await.unwrap().is_some());
 }
 

@@ -164,7 +164,8 @@ fn dispatch_on(id: &str, instance: &str) -> Admission {
     admission(id, "assistant", instance, SubmissionKind::Dispatch, "test.event")
 }
 
-fn claim(attempt: &str) -> Claim {
+/// A claim of attempt `attempt` by `owner-a`, leased for 30 s.
+pub fn claim(attempt: &str) -> Claim {
     Claim {
         attempt_id: attempt.to_owned(),
         owner_id: "owner-a".into(),
