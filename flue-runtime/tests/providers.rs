@@ -1501,9 +1501,12 @@ async fn ping_and_empty_events_without_output_are_keep_alives_too() {
     });
     server.push(FixtureReply::anthropic_events(events));
     let mut chunks = vec![OpenAiChunk::Text("first".into())];
-    for _ in 0..40 {
+    // An empty event, and the chunks gateways relay an upstream's pings as: a ping object
+    // (Anthropic's OpenAI-compatible endpoint) and a choice with an empty delta.
+    let keep_alives = ["", r#"{"type":"ping"}"#, r#"{"choices":[{"index":0,"delta":{}}]}"#];
+    for keep_alive in keep_alives.iter().cycle().take(40) {
         chunks.push(OpenAiChunk::Pause(Duration::from_millis(100)));
-        chunks.push(OpenAiChunk::Raw(String::new()));
+        chunks.push(OpenAiChunk::Raw((*keep_alive).to_owned()));
     }
     chunks.extend([OpenAiChunk::Text(" late".into()), OpenAiChunk::Finish("stop".into())]);
     server.push(FixtureReply::openai_chunks(chunks));

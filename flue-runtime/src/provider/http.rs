@@ -1170,8 +1170,9 @@ pub(crate) fn ended_early(ctx: &CallContext) -> ProviderError {
 pub(crate) enum Flow {
     /// Read on.
     Continue,
-    /// Read on: the event was a keep-alive (Anthropic's `ping`, an event with no data), which
-    /// moves the response no more than an SSE comment does (see [`Driver::quiet`]).
+    /// Read on: the event was a keep-alive (Anthropic's `ping`, an event with no data, a chunk
+    /// that carries nothing of the answer), which moves the response no more than an SSE
+    /// comment does (see [`Driver::quiet`]).
     KeepAlive,
     /// The response is complete (the decoder pushed `Completed`); stop reading.
     Done,

@@ -1014,14 +1014,22 @@ impl ChatDecoder {
         }
     }
 
-    fn chunk(&mut self, chunk: ChunkView<'_>, out: &mut VecDeque<StreamEvent>) {
+    /// Reads one chunk; returns whether it moved the answer on (an output, a tool call's or a
+    /// reasoning detail's fragment, usage or a finish reason). A chunk that moved nothing is a
+    /// keep-alive: gateways relay an upstream's pings as `{"type":"ping"}` or as a choice with
+    /// an empty delta, and these must not hold a stalled stream open past the keep-alive limit.
+    fn chunk(&mut self, chunk: ChunkView<'_>, out: &mut VecDeque<StreamEvent>) -> bool {
+        let before = out.len();
+        let mut moved = chunk.usage.is_some();
         if let Some(usage) = chunk.usage {
             self.usage = usage_of(&usage);
             self.usage_seen = true;
         }
-        let Some(choice) = chunk.choice.0 else { return };
+        let Some(choice) = chunk.choice.0 else { return moved };
         self.choice_seen = true;
         if let Some(delta) = choice.delta {
+            moved |= delta.tool_calls.as_ref().is_some_and(|calls| !calls.is_empty())
+                || delta.reasoning_details.as_ref().is_some_and(|details| !details.is_empty());
             if let Some(text) = delta.content.as_ref().map(Text::as_str).filter(|t| !t.is_empty()) {
                 self.text.push_str(text);
                 out.push_back(StreamEvent::TextDelta(text.to_owned()));
@@ -1035,13 +1043,13 @@ impl ChatDecoder {
             }
             for call in delta.tool_calls.into_iter().flatten() {
                 if self.too_many.is_some() {
-                    return;
+                    return true;
                 }
                 self.tool_call(call, out);
             }
             for detail in delta.reasoning_details.into_iter().flatten() {
                 if self.too_many.is_some() {
-                    return;
+                    return true;
                 }
                 self.reasoning_detail(detail);
             }
@@ -1049,6 +1057,7 @@ impl ChatDecoder {
         // An empty reason is none: servers that write `""` on every chunk (Ollama, some
         // SGLang releases) have not finished yet.
         if let Some(reason) = choice.finish_reason.filter(|reason| !reason.as_str().trim().is_empty()) {
+            moved = true;
             match super::types::stop_reason_named(reason.as_str()) {
                 Some(stop) => self.stop = Some(stop),
                 None => {
@@ -1057,12 +1066,14 @@ impl ChatDecoder {
                 }
             }
         }
+        moved || out.len() > before
     }
 
     /// Fails the stream once a choice finished with a `finish_reason` that is no answer
     /// (`"error"`: OpenRouter ends so when the upstream failed mid-way): what it said is not the
-    /// answer, and the call may be made again.
-    fn failed_finish(&self) -> Result<Flow, ProviderError> {
+    /// answer, and the call may be made again. Otherwise the chunk continues the answer, or
+    /// keeps the stream alive when it did not `move` it.
+    fn failed_finish(&self, moved: bool) -> Result<Flow, ProviderError> {
         if let Some(what) = self.too_many {
             return Err(ProviderError::new(
                 ProviderErrorKind::InvalidResponse,
@@ -1073,7 +1084,8 @@ impl ChatDecoder {
             ));
         }
         match &self.failed {
-            None => Ok(Flow::Continue),
+            None if moved => Ok(Flow::Continue),
+            None => Ok(Flow::KeepAlive),
             Some(reason) => Err(super::types::failed_finish(&self.ctx.provider, "finish_reason", reason)),
         }
     }
@@ -1335,8 +1347,8 @@ impl SseDecoder for ChatDecoder {
             return Err(error_event(&self.ctx, data));
         }
         if let Some(chunk) = ChunkView::parse(data) {
-            self.chunk(chunk, out);
-            return self.failed_finish();
+            let moved = self.chunk(chunk, out);
+            return self.failed_finish(moved);
         }
         let chunk = parse_event_json(&self.ctx, data)?;
         if let Some(error) = chunk.get("error").filter(|e| !e.is_null()) {
@@ -1348,8 +1360,8 @@ impl SseDecoder for ChatDecoder {
                 &error.to_string(),
             ));
         }
-        self.chunk(ChunkView::from_value(&chunk), out);
-        self.failed_finish()
+        let moved = self.chunk(ChunkView::from_value(&chunk), out);
+        self.failed_finish(moved)
     }
 
     fn end(&mut self, out: &mut VecDeque<StreamEvent>) -> Result<(), ProviderError> {
