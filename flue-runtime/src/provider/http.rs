@@ -932,7 +932,9 @@ impl ErrorDetails {
     /// - Together: "… is longer than the model's context length …";
     /// - OpenRouter, for an upstream's refusal: "… maximum allowed input length …";
     /// - DashScope (Qwen): "Range of input length should be [1, …]";
-    /// - GitHub Copilot: "prompt token count of … exceeds the limit of …".
+    /// - GitHub Copilot: "prompt token count of … exceeds the limit of …";
+    /// - Hugging Face text-generation-inference (a 422): "Input validation error: `inputs`
+    ///   tokens + `max_new_tokens` must be <= …", or "… `inputs` must have less than … tokens".
     fn is_context_overflow(&self) -> bool {
         let message = self.message_lower();
         self.is(&[
@@ -956,6 +958,8 @@ impl ErrorDetails {
             "maximum allowed input length",
             "range of input length should be",
             "prompt token count of",
+            "tokens + `max_new_tokens` must be",
+            "`inputs` must have less than",
         ]
         .iter()
         .any(|needle| message.contains(needle))
@@ -1746,6 +1750,14 @@ mod tests {
         ] {
             let body = serde_json::json!({ "error": { "message": said } }).to_string();
             assert_eq!(map(Some(400), &body).kind, K::ContextOverflow, "{said}");
+        }
+        // text-generation-inference refuses with a 422 and a bare string.
+        for said in [
+            "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. Given: 4090 `inputs` tokens and 100 `max_new_tokens`",
+            "Input validation error: `inputs` must have less than 1024 tokens. Given: 1872",
+        ] {
+            let body = serde_json::json!({ "error": said, "error_type": "validation" }).to_string();
+            assert_eq!(map(Some(422), &body).kind, K::ContextOverflow, "{said}");
         }
         // Ollama's error is a bare string.
         let ollama = r#"{"error":"prompt too long; exceeded max context length by 5000 tokens"}"#;
