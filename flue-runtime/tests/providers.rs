@@ -1432,6 +1432,70 @@ async fn a_first_byte_slower_than_the_timeout_is_a_timeout() {
     );
 }
 
+/// The time allowed for an answer to start counts from when the request went up: a long body
+/// (a conversation with images) on a slow link is no timeout while its upload moves on.
+#[tokio::test]
+async fn a_long_body_uploading_slower_than_the_timeout_is_no_timeout_while_it_moves_on() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    // A small receive buffer: the server's reads, not the kernel's, pace the upload.
+    socket.set_recv_buffer_size(64 * 1024).expect("receive buffer");
+    socket.bind("127.0.0.1:0".parse().expect("address")).expect("bind");
+    let listener = socket.listen(8).expect("listen");
+    let address = listener.local_addr().expect("address");
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("accept");
+        let mut received = Vec::new();
+        let mut chunk = vec![0u8; 128 * 1024];
+        let head_end = loop {
+            let n = stream.read(&mut chunk).await.expect("read");
+            assert!(n > 0, "the request ended in its head");
+            received.extend_from_slice(&chunk[..n]);
+            if let Some(at) = received.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at + 4;
+            }
+        };
+        let head = String::from_utf8_lossy(&received[..head_end]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|line| line.strip_prefix("content-length:"))
+            .expect("a content-length")
+            .trim()
+            .parse()
+            .expect("a length");
+        // Three quarters of the body slowly (at least 1.9 s: beyond the 1.5 s allowed), the rest
+        // at once. (The sender's kernel takes more of it each time about a third of its buffer
+        // of up to 4 MiB went out: well within the 1.5 s, even on a loaded machine.)
+        let mut read = received.len() - head_end;
+        while read < length {
+            if read < length / 4 * 3 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let n = stream.read(&mut chunk).await.expect("read");
+            assert!(n > 0, "the body ended early");
+            read += n;
+        }
+        let events = [
+            r#"{"choices":[{"index":0,"delta":{"content":"ok"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
+            "[DONE]",
+        ];
+        let mut answer = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n".to_owned();
+        for event in events {
+            answer.push_str(&format!("data: {event}\n\n"));
+        }
+        stream.write_all(answer.as_bytes()).await.expect("answer");
+        stream.shutdown().await.expect("shutdown");
+    });
+    let provider = OpenAiProvider::compatible("slow-link", format!("http://{address}/v1"), "FLUE_TEST_KEY_SLOW_LINK")
+        .with_api_key(KEY)
+        .with_timeout(Duration::from_millis(1500))
+        .with_retry_policy(RetryPolicy::none());
+    let (_, response) = complete(&provider, request(&"x".repeat(32 << 20))).await;
+    assert_eq!(response.text, "ok");
+    server.await.expect("the server");
+}
+
 #[tokio::test]
 async fn a_stream_silent_longer_than_the_idle_timeout_is_a_timeout() {
     let server = FixtureServer::start().await;

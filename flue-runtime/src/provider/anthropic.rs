@@ -183,8 +183,10 @@ impl AnthropicProvider {
         self
     }
 
-    /// Sets how long an attempt may wait for the response to start (default 60 s). A timeout
-    /// is retried like a server error.
+    /// Sets how long an attempt may wait for the response to start (default 60 s), counted
+    /// from when the request was sent: a long body's upload (a conversation with images, on a
+    /// slow link) does not count against it while it moves on. A timeout is retried like a
+    /// server error.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.transport.timeout = timeout;
         self

@@ -10,6 +10,8 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -64,7 +66,11 @@ impl BodyWriter {
             self.parts.push(Bytes::from(self.buf));
         }
         let len = self.parts.iter().map(Bytes::len).sum();
-        Payload { parts: self.parts, len }
+        Payload {
+            parts: self.parts,
+            len,
+            whole: false,
+        }
     }
 
     /// Every byte written so far, shared parts included, as one buffer (tests).
@@ -84,6 +90,8 @@ const COPIED_BELOW: usize = 16 * 1024;
 pub(crate) struct Payload {
     parts: Vec<Bytes>,
     len: usize,
+    /// Sent in one part reqwest can send again, however long ([`Self::joined`]).
+    whole: bool,
 }
 
 impl Payload {
@@ -106,9 +114,10 @@ impl Payload {
     }
 
     /// Whether the body goes in parts (then reqwest cannot send it again by itself, as it
-    /// does to follow a 307 or 308 redirect).
+    /// does to follow a 307 or 308 redirect): a body of several parts, or one long enough to
+    /// be sent in watched frames ([`Self::to_body`]).
     pub(crate) fn in_parts(&self) -> bool {
-        self.parts.len() > 1
+        !self.whole && (self.parts.len() > 1 || self.len > WATCHED_ABOVE)
     }
 
     /// The body in one part (copied): one reqwest can send again to follow a redirect.
@@ -116,20 +125,76 @@ impl Payload {
         Self {
             parts: vec![Bytes::from(self.parts.concat())],
             len: self.len,
+            whole: true,
         }
     }
 
     /// The body for one attempt of the call, of known length (so sent with a
     /// `Content-Length`).
-    pub(crate) fn to_body(&self) -> reqwest::Body {
+    ///
+    /// A body longer than [`WATCHED_ABOVE`] (a conversation with images, say) goes in frames of
+    /// at most [`WATCHED_FRAME`] bytes, each marking `progress` as the connection takes it: on a
+    /// slow uplink its upload takes a while, and the time allowed for the answer to start
+    /// counts from the last frame taken, not from the call. A [joined](Self::joined) body goes
+    /// as it is, in one part reqwest can send again.
+    pub(crate) fn to_body(&self, progress: &Progress) -> reqwest::Body {
         match self.parts.as_slice() {
             [] => reqwest::Body::from(Bytes::new()),
-            [one] => reqwest::Body::from(one.clone()),
-            parts => reqwest::Body::wrap(Parts {
+            [one] if self.whole || self.len <= WATCHED_ABOVE => reqwest::Body::from(one.clone()),
+            parts if self.len <= WATCHED_ABOVE => reqwest::Body::wrap(Parts {
                 parts: parts.iter().cloned().collect(),
                 remaining: self.len as u64,
+                progress: None,
+            }),
+            parts => reqwest::Body::wrap(Parts {
+                parts: parts.iter().flat_map(framed).collect(),
+                remaining: self.len as u64,
+                progress: Some(progress.clone()),
             }),
         }
+    }
+}
+
+/// Bodies longer than this are sent in watched frames (see [`Payload::to_body`]). Shorter ones
+/// go up in well under the time allowed for an answer to start, on any link.
+pub(crate) const WATCHED_ABOVE: usize = 256 * 1024;
+
+/// The longest frame of a watched body: the connection takes the next one once it wrote about
+/// as much, so the marks follow the upload.
+const WATCHED_FRAME: usize = 64 * 1024;
+
+/// `part` in frames of at most [`WATCHED_FRAME`] bytes (slices of it, not copies).
+fn framed(part: &Bytes) -> impl Iterator<Item = Bytes> + '_ {
+    (0..part.len())
+        .step_by(WATCHED_FRAME)
+        .map(|start| part.slice(start..part.len().min(start + WATCHED_FRAME)))
+}
+
+/// When the upload of a watched body last moved on: when the connection last took one of its
+/// frames, or when it was made.
+#[derive(Clone, Debug)]
+pub(crate) struct Progress {
+    base: tokio::time::Instant,
+    /// Nanoseconds from `base` to the last mark.
+    last: Arc<AtomicU64>,
+}
+
+impl Progress {
+    pub(crate) fn new() -> Self {
+        Self {
+            base: tokio::time::Instant::now(),
+            last: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    fn mark(&self) {
+        let elapsed = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.last.fetch_max(elapsed, Ordering::Relaxed);
+    }
+
+    /// The last mark.
+    pub(crate) fn last(&self) -> tokio::time::Instant {
+        self.base + std::time::Duration::from_nanos(self.last.load(Ordering::Relaxed))
     }
 }
 
@@ -137,6 +202,8 @@ impl Payload {
 struct Parts {
     parts: VecDeque<Bytes>,
     remaining: u64,
+    /// Marked as each frame is taken, for a watched body.
+    progress: Option<Progress>,
 }
 
 impl http_body::Body for Parts {
@@ -145,6 +212,9 @@ impl http_body::Body for Parts {
 
     fn poll_frame(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         let this = self.get_mut();
+        if let Some(progress) = &this.progress {
+            progress.mark();
+        }
         Poll::Ready(this.parts.pop_front().map(|part| {
             this.remaining -= part.len() as u64;
             Ok(Frame::data(part))
@@ -210,13 +280,53 @@ mod tests {
         assert_eq!(payload.len(), whole.len());
         assert_eq!(payload.parts().len(), 4, "two written, two shared");
         assert_eq!(payload.parts()[1].as_ptr(), kept[0].as_ptr(), "shared, not copied");
-        let body = payload.to_body();
+        let body = payload.to_body(&Progress::new());
         assert_eq!(http_body::Body::size_hint(&body).exact(), Some(whole.len() as u64));
         let collected = body.collect().await.expect("infallible").to_bytes();
         assert_eq!(collected.as_ref(), whole.as_bytes());
         // And again, for a retried call.
-        let again = payload.to_body().collect().await.expect("infallible").to_bytes();
+        let again = payload
+            .to_body(&Progress::new())
+            .collect()
+            .await
+            .expect("infallible")
+            .to_bytes();
         assert_eq!(again, collected);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_long_body_goes_in_short_frames_each_marking_progress_and_joined_goes_whole() {
+        let long = "l".repeat(WATCHED_ABOVE);
+        let mut writer = BodyWriter::with_capacity(8, 8);
+        writer.buf().extend_from_slice(b"[");
+        writer.share(&[Bytes::from(long.clone())]);
+        writer.buf().extend_from_slice(b"]");
+        let payload = writer.finish();
+        let whole = format!("[{long}]");
+        assert!(payload.in_parts());
+        let progress = Progress::new();
+        let started = progress.last();
+        let mut body = payload.to_body(&progress);
+        assert_eq!(http_body::Body::size_hint(&body).exact(), Some(whole.len() as u64));
+        let mut frames = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let data = frame.expect("infallible").into_data().expect("a data frame");
+            assert!(data.len() <= WATCHED_FRAME, "a frame of {} bytes", data.len());
+            frames.push(data);
+            // Each frame taken marks the upload's progress.
+            tokio::time::advance(std::time::Duration::from_secs(1)).await;
+        }
+        assert_eq!(frames.concat(), whole.as_bytes());
+        assert!(frames.len() > WATCHED_ABOVE / WATCHED_FRAME, "{} frames", frames.len());
+        assert_eq!(
+            progress.last() - started,
+            std::time::Duration::from_secs(frames.len() as u64)
+        );
+        // Joined (to follow a redirect), it goes in one part reqwest can send again.
+        let joined = payload.joined();
+        assert!(!joined.in_parts());
+        let body = joined.to_body(&Progress::new());
+        assert!(body.as_bytes().is_some_and(|bytes| bytes == whole.as_bytes()));
     }
 
     #[test]

@@ -36,7 +36,8 @@ use tokio::time::Sleep;
 
 use super::types::{ModelStream, ProviderError, ProviderErrorKind, StreamEvent};
 
-/// Default time allowed for a response to start (status line and headers).
+/// Default time allowed for a response to start (status line and headers) once the request
+/// was sent (see [`send_with_retries`]).
 pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default time allowed between two chunks of a streaming body.
 pub(crate) const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -669,6 +670,28 @@ pub(crate) struct CallHeaders {
     pub(crate) key: Option<(HeaderName, HeaderValue)>,
 }
 
+/// Sends `request` with `payload`, waiting at most `timeout` for its answer to start, counted
+/// from when the connection last took a frame of a long body (see [`Payload::to_body`]) or,
+/// for a short one, from the call. `Err` when that time passed.
+async fn started(
+    request: reqwest::RequestBuilder,
+    payload: &Payload,
+    timeout: Duration,
+) -> Result<reqwest::Result<reqwest::Response>, tokio::time::error::Elapsed> {
+    let progress = super::body::Progress::new();
+    let attempt = request.body(payload.to_body(&progress)).send();
+    tokio::pin!(attempt);
+    let deadline = || progress.last().checked_add(timeout);
+    loop {
+        let Some(at) = deadline() else { return Ok(attempt.await) };
+        match tokio::time::timeout_at(at, &mut attempt).await {
+            // The body moved on meanwhile: the wait counts from there.
+            Err(_) if deadline().is_some_and(|at| at > tokio::time::Instant::now()) => {}
+            answer => return answer,
+        }
+    }
+}
+
 /// POSTs the JSON `payload` to `url` and returns the response once it started successfully
 /// (2xx), with how many times the call was retried first.
 ///
@@ -695,8 +718,7 @@ pub(crate) async fn send_with_retries(
         if let Some((name, value)) = &headers.key {
             request = request.header(name.clone(), value.clone());
         }
-        let attempt = request.body(payload.to_body()).send();
-        let error = match tokio::time::timeout(transport.timeout, attempt).await {
+        let error = match started(request, &payload, transport.timeout).await {
             Ok(Ok(response)) if response.status().is_success() => return Ok((response, retry)),
             // A 307 or 308 sends the body again: reqwest follows it (same origin only, see
             // `same_origin_redirects`) for a body it can copy, not for one in parts. The

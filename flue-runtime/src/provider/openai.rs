@@ -204,8 +204,10 @@ impl OpenAiProvider {
         self
     }
 
-    /// Sets how long an attempt may wait for the response to start (default 60 s). A timeout
-    /// is retried like a server error.
+    /// Sets how long an attempt may wait for the response to start (default 60 s), counted
+    /// from when the request was sent: a long body's upload (a conversation with images, on a
+    /// slow link) does not count against it while it moves on. A timeout is retried like a
+    /// server error.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.transport.timeout = timeout;
         self
@@ -1029,7 +1031,10 @@ impl ChatDecoder {
         self.choice_seen = true;
         if let Some(delta) = choice.delta {
             moved |= delta.tool_calls.as_ref().is_some_and(|calls| !calls.is_empty())
-                || delta.reasoning_details.as_ref().is_some_and(|details| !details.is_empty());
+                || delta
+                    .reasoning_details
+                    .as_ref()
+                    .is_some_and(|details| !details.is_empty());
             if let Some(text) = delta.content.as_ref().map(Text::as_str).filter(|t| !t.is_empty()) {
                 self.text.push_str(text);
                 out.push_back(StreamEvent::TextDelta(text.to_owned()));
