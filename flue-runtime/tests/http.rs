@@ -1160,6 +1160,51 @@ async fn a_read_that_folds_the_stream_shares_the_readers_room() {
     }
 }
 
+/// A live feed's fold takes room among the readers' folds for as long as the instance is
+/// followed: the room of the reader it took over, which lets its own fold go. (Regression: the
+/// feed's fold was counted nowhere, so a server following many instances held a copy of each
+/// conversation beyond `max_reader_fold_bytes`.)
+#[tokio::test]
+async fn a_live_feed_holds_room_for_its_fold_while_the_instance_is_followed() {
+    // 10 messages of 4 KiB: a fold of over 40 KiB, in a room of 64 KiB (no updates cache).
+    let options = HttpOptions {
+        updates_cache_instances: 0,
+        max_reader_fold_bytes: 64 * 1024,
+        ..HttpOptions::default()
+    };
+    let long = LongConversation::serve_padded(options, 10, 4 * 1024).await;
+    let url = |query: &str| format!("http://{}/agents/calculator/long?{query}", long.addr);
+    let client = reqwest::Client::new();
+    let mut live = client
+        .get(url(&format!("view=updates&offset=0_{}&live=sse", long.head)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(live.status(), 200);
+    // The checkpoint, then the control frame the feed sends once it serves the reader.
+    let mut received = String::new();
+    while !received.contains("event: control") {
+        let chunk = live.chunk().await.unwrap().expect("the stream went on");
+        received.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    // A read that folds the conversation again finds no room beside the feed's fold.
+    let refused = client.get(url("view=updates&offset=-1")).send().await.unwrap();
+    assert_eq!(refused.status(), 503);
+    // Once nobody follows the instance, the room is let go.
+    drop(live);
+    let mut tries = 0;
+    loop {
+        let response = client.get(url("view=updates&offset=-1")).send().await.unwrap();
+        if response.status() == 200 {
+            break;
+        }
+        assert_eq!(response.status(), 503);
+        tries += 1;
+        assert!(tries < 500, "the feed's room was never let go");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// A lone SSE reader of a conversation larger than the readers' whole room is served to the
 /// head: the instance's live feed, which it is handed over to there, folds the stream without
 /// asking for room the reader still holds. (Regression: the feed's fold asked for room too,

@@ -11,10 +11,11 @@ use std::sync::{Arc, Mutex, Weak};
 
 use axum::body::Bytes;
 use serde_json::Value;
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::projection::{Projection, READ_PAGE};
-use super::reads::DataFrames;
-use super::updates_cache::UpdatesCache;
+use super::reads::{DataFrames, FoldRoom};
+use super::updates_cache::{ReadFailure, UpdatesCache};
 use crate::record::Batch;
 use crate::runtime::RuntimeInner;
 use crate::store::InstanceKey;
@@ -47,6 +48,9 @@ pub(super) fn data_frame(chunks: Vec<Value>) -> Option<String> {
 /// newest batches.
 struct State {
     projection: Projection,
+    /// Room for `projection` among the readers' folds ([`FoldRoom`]), for as long as the feed
+    /// is followed.
+    room: Option<OwnedSemaphorePermit>,
     /// The last batch folded; `None` before the first read.
     offset: Option<u64>,
     started: bool,
@@ -93,6 +97,12 @@ impl Feed {
     /// moved since the feed's last read, nothing was appended on this node. On a shared store
     /// (other nodes append too) the feed reads again once `poll` has passed since its last
     /// read, however many readers ask meanwhile.
+    ///
+    /// The feed's fold takes room for its weight among the readers' folds (`room`: the
+    /// router's room, and what the asking reader holds of it), as it grows: a feed that starts
+    /// takes the asking reader's room when it serves that reader from here on (the reader lets
+    /// its own fold go then, so the conversation is counted once), and what more it needs.
+    /// Without that room the feed stops, and this is `Err(Busy)`.
     pub(super) async fn after(
         &self,
         runtime: &RuntimeInner,
@@ -100,7 +110,9 @@ impl Feed {
         appends: u64,
         poll: std::time::Duration,
         cache: (&UpdatesCache, &str),
-    ) -> Result<Delivery, super::updates_cache::ReadFailure> {
+        room: (&FoldRoom, &mut Option<OwnedSemaphorePermit>),
+    ) -> Result<Delivery, ReadFailure> {
+        let (folds, held) = room;
         let mut state = self.state.lock().await;
         let polled_recently = !runtime.store.shared() || state.last_read.elapsed() < poll;
         let unchanged = state.started && appends == state.seen_appends && polled_recently;
@@ -124,12 +136,28 @@ impl Feed {
             {
                 (state.projection, state.offset) = (projection, offset);
             }
+            let serves = after >= state.offset;
+            if serves {
+                state.room = held.take();
+            }
+            if !state.hold_room(folds) {
+                if serves {
+                    // Unchanged by the refusal: the reader's own again.
+                    *held = state.room.take();
+                }
+                state.stop(&self.key, &self.all_bytes);
+                return Err(ReadFailure::Busy);
+            }
             state.started = true;
         } else {
             // What was appended since, a store page at a time.
             loop {
                 let batches = runtime.store.read_page(&self.key, state.offset, READ_PAGE).await?;
                 state.push(&batches, &self.all_bytes);
+                if !state.hold_room(folds) {
+                    state.stop(&self.key, &self.all_bytes);
+                    return Err(ReadFailure::Busy);
+                }
                 if batches.len() < READ_PAGE {
                     break;
                 }
@@ -159,6 +187,30 @@ impl Feed {
 }
 
 impl State {
+    /// Holds room for the fold as it is now: false when the router has not that much left.
+    fn hold_room(&mut self, folds: &FoldRoom) -> bool {
+        folds.hold(&mut self.room, self.projection.weight())
+    }
+
+    /// Back to a feed not started, holding nothing: its next reader starts it again.
+    fn stop(&mut self, key: &InstanceKey, all_bytes: &AtomicUsize) {
+        all_bytes.fetch_sub(self.frame_bytes, Ordering::Relaxed);
+        *self = State::new(key);
+    }
+
+    fn new(key: &InstanceKey) -> Self {
+        Self {
+            projection: Projection::new(&key.stream_path()),
+            room: None,
+            offset: None,
+            started: false,
+            seen_appends: 0,
+            last_read: tokio::time::Instant::now(),
+            frames: VecDeque::new(),
+            frame_bytes: 0,
+        }
+    }
+
     /// Projects `batches` into frames, kept within the window and, with the router's other
     /// feeds (`all_bytes`), within [`FEEDS_BYTES`].
     fn push(&mut self, batches: &[Batch], all_bytes: &AtomicUsize) {
@@ -219,15 +271,7 @@ impl Feeds {
         }
         let feed = Arc::new(Feed {
             key: key.clone(),
-            state: tokio::sync::Mutex::new(State {
-                projection: Projection::new(&key.stream_path()),
-                offset: None,
-                started: false,
-                seen_appends: 0,
-                last_read: tokio::time::Instant::now(),
-                frames: VecDeque::new(),
-                frame_bytes: 0,
-            }),
+            state: tokio::sync::Mutex::new(State::new(key)),
             all_bytes: self.bytes.clone(),
         });
         // Forget the feeds no reader holds any more, as the map grows.

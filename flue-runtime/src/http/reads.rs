@@ -583,7 +583,12 @@ impl SseStream {
             let appends = self.slot.appends();
             let poll = self.options.shared_store_poll;
             let cache = (&*self.updates, self.incarnation.as_str());
-            match self.logged(self.feed.after(&self.runtime, self.offset, appends, poll, cache).await)? {
+            let room = (&self.folds, &mut self.room);
+            let delivery = self
+                .feed
+                .after(&self.runtime, self.offset, appends, poll, cache, room)
+                .await;
+            match self.logged(delivery)? {
                 Delivery::Frames(frames, offset) if !frames.is_empty() || offset != self.offset => {
                     self.own = None;
                     self.room = None;

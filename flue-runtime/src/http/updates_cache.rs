@@ -27,8 +27,9 @@
 //! readers' folds ([`HttpOptions::max_reader_fold_bytes`](super::HttpOptions::max_reader_fold_bytes)),
 //! and lets it go once kept or answered: a read that finds no room fails
 //! ([`ReadFailure::Busy`], answered 503) rather than hold one more copy of a conversation.
-//! A live feed's first fold takes none: there is one feed per instance followed, and the
-//! reader handed over to it still holds room for its own fold then.
+//! A live feed's fold is made here without room ([`UpdatesCache::fold_at_head`]) and then
+//! takes room itself, for as long as the instance is followed (see
+//! [`Feed::after`](super::feed::Feed::after)).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -471,8 +472,8 @@ impl UpdatesCache {
         key: &InstanceKey,
         incarnation: Option<&str>,
     ) -> Result<Option<(Projection, Option<u64>)>, ReadFailure> {
-        // Without room: the reader whose connection starts the feed still holds room for its
-        // own fold, and the feed's is one per instance, for as long as it is followed.
+        // Without room here: the feed takes room for what this returns, the room of the
+        // reader it serves from then on when that reader holds some.
         self.at_head(store, key, incarnation, false, |projection, offset| {
             (projection.clone(), offset)
         })
