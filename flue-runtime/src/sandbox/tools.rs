@@ -397,6 +397,13 @@ impl<'p> LineSearch<'p> {
         true
     }
 
+    /// Ends the search where the reading stopped (a budget ran out): what was read is all
+    /// that is searched, and the line it cut (maybe inside a character) is not.
+    fn cut(&mut self) {
+        self.line.clear();
+        self.stopped = true;
+    }
+
     /// The matches, or `None` for a file that is not UTF-8.
     fn finish(mut self) -> Option<Vec<(usize, String)>> {
         if self.binary || (!self.stopped && !self.utf8.finished()) {
@@ -915,6 +922,9 @@ fn grep(session: &SandboxSession, args: GrepArgs) -> BoxFuture<'_, ToolOutput> {
             if session.sandbox.read_file_with(file, &mut visit).await.is_err() {
                 continue;
             }
+            if starved {
+                search.cut();
+            }
             if let Some(found) = search.finish() {
                 for (number, line) in found {
                     if matches.len() == MAX_MATCHES {
@@ -1029,6 +1039,8 @@ mod tests {
     #[derive(Default)]
     struct Endless {
         given: AtomicUsize,
+        /// Text after each line's number (`line 1{suffix}`).
+        suffix: &'static str,
     }
 
     impl Sandbox for Endless {
@@ -1049,7 +1061,7 @@ mod tests {
                     let piece: String = (0..100)
                         .map(|_| {
                             line += 1;
-                            format!("line {line}\n")
+                            format!("line {line}{}\n", self.suffix)
                         })
                         .collect();
                     self.given.fetch_add(piece.len(), Ordering::Relaxed);
@@ -1258,7 +1270,11 @@ mod tests {
     }
 
     fn endless() -> (Arc<Endless>, SandboxSession) {
-        let sandbox = Arc::new(Endless::default());
+        endless_with(Endless::default())
+    }
+
+    fn endless_with(sandbox: Endless) -> (Arc<Endless>, SandboxSession) {
+        let sandbox = Arc::new(sandbox);
         let session = SandboxSession::new(sandbox.clone(), None).unwrap();
         (sandbox, session)
     }
@@ -1473,6 +1489,28 @@ mod tests {
         );
         let given = sandbox.given.load(Ordering::Relaxed);
         assert!(given < 2 << 20, "{given} bytes read for a budget of 1 MB");
+    }
+
+    /// The budget ends in the middle of a character: the matches found before it are kept
+    /// (the file is no less text for being cut), and the cut line is not searched.
+    #[tokio::test]
+    async fn grep_keeps_the_matches_of_a_file_its_byte_budget_cuts_inside_a_character() {
+        let (_, session) = endless_with(Endless {
+            given: AtomicUsize::new(0),
+            suffix: " 東京の天気は晴れです",
+        });
+        let args = GrepArgs {
+            pattern: "^line 7 ".into(),
+            path: None,
+            glob: None,
+            ignore_case: false,
+        };
+        let (text, is_error) = text_of(grep(&session, args).await);
+        assert!(!is_error, "{text}");
+        assert_eq!(
+            text,
+            "/big.txt:7: line 7 東京の天気は晴れです\n\n[Stopped after reading 1 MB; narrow the path or the glob.]"
+        );
     }
 
     #[test]
