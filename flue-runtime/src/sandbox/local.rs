@@ -123,8 +123,10 @@ pub struct LocalSandbox {
 
 /// Writes `contents` over `file` (opened at its start, not appending) and cuts what is left of
 /// its old contents past them. The room for the new contents is `reserve`d first, so a full
-/// disk or a quota fails the write before any old byte changed. (Emptying the file first, a
-/// failed write left it empty or cut short, and the model only an I/O error.)
+/// disk or a quota fails the write before any old byte changed, on a filesystem that writes in
+/// place. (Emptying the file first, a failed write left it empty or cut short, and the model
+/// only an I/O error.) A file with contents is replaced whole instead where it can be: see
+/// [`write_whole`].
 fn overwrite(
     file: &mut std::fs::File,
     contents: &[u8],
@@ -135,6 +137,75 @@ fn overwrite(
     reserve(file, length)?;
     file.write_all(contents)?;
     file.set_len(length)
+}
+
+/// Writes `contents` as the file at the normalized sandbox path `path` under `root`, which
+/// [`open_beneath`] opened (`file`, made when missing): whole or not at all. A file with old
+/// contents, which is its directory's entry `path` names and its only link, is replaced: the
+/// contents go to a new file beside it, given its mode and owner, renamed over it once written
+/// ([`replace_at`]). A failed or cut-off write then leaves the old file as it was, where written
+/// over in place, a disk that fills partway (reserving room does not help on a copy-on-write
+/// filesystem, whose every written block is new) left new text followed by old. A file reached
+/// through a link, a file of several links, and a new or empty one are written in place
+/// ([`overwrite`]): a link stays a link, the links stay one file, and an empty file has nothing
+/// to lose.
+#[cfg(unix)]
+fn write_whole(root: &Path, path: &str, file: &mut std::fs::File, contents: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let opened = file.metadata()?;
+    if opened.len() > 0
+        && opened.nlink() == 1
+        && let Ok((dir, Some(name))) = walk_beneath(root, path, End::Parent)
+        && let Ok(status) = beneath::status_at(&dir, &name)
+        && same_file(&status, &opened)
+    {
+        return replace_at(&dir, &name, &status, |file| overwrite(file, contents, reserve));
+    }
+    overwrite(file, contents, reserve)
+}
+
+#[cfg(not(unix))]
+fn write_whole(_root: &Path, _path: &str, file: &mut std::fs::File, contents: &[u8]) -> std::io::Result<()> {
+    overwrite(file, contents, reserve)
+}
+
+/// Whether the entry of `status` is the file of `opened` (not a link to it, nor another file
+/// swapped in since it was opened).
+#[cfg(unix)]
+fn same_file(status: &libc::stat, opened: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    #[allow(clippy::unnecessary_cast, clippy::useless_conversion)] // their types differ across targets
+    let (device, inode) = (status.st_dev as u64, status.st_ino as u64);
+    status.st_mode & libc::S_IFMT == libc::S_IFREG && device == opened.dev() && inode == opened.ino()
+}
+
+/// Replaces the regular file `name` of `dir` (`status`) with a new one that `write` fills: made
+/// in `dir`, given the old one's owner (where this process may give it) and mode, then renamed
+/// over it. On failure the new file is removed and the old one is left as it was.
+#[cfg(unix)]
+fn replace_at(
+    dir: &std::os::fd::OwnedFd,
+    name: &std::ffi::OsStr,
+    status: &libc::stat,
+    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let number = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let temporary = std::ffi::OsString::from(format!(".flue-write-{}-{number}.tmp", std::process::id()));
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    let mut file = std::fs::File::from(beneath::open_at(Some(dir), &temporary, flags)?);
+    let written = (|| {
+        // The owner first: changing it may clear the mode's set-id bits.
+        let _ = std::os::unix::fs::fchown(&file, Some(status.st_uid), Some(status.st_gid));
+        file.set_permissions(std::fs::Permissions::from_mode(u32::from(status.st_mode) & 0o7777))?;
+        write(&mut file)?;
+        beneath::rename_at(dir, &temporary, name)
+    })();
+    if written.is_err() {
+        let _ = beneath::remove_at(dir, &temporary, false);
+    }
+    written
 }
 
 /// Reserves the blocks of a file `length` bytes long (Linux's `fallocate`): a full disk or a
@@ -684,6 +755,16 @@ mod beneath {
         let flags = if directory { libc::AT_REMOVEDIR } else { 0 };
         // SAFETY: `name` is a NUL-terminated string alive for the call; `dir` is open.
         if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), flags) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// `renameat(dir, from, dir, to)`: the entry `from` of `dir` replaces its entry `to`.
+    pub(super) fn rename_at(dir: &OwnedFd, from: &OsStr, to: &OsStr) -> std::io::Result<()> {
+        let (from, to) = (c_name(from)?, c_name(to)?);
+        // SAFETY: both names are NUL-terminated strings alive for the call; `dir` is open.
+        if unsafe { libc::renameat(dir.as_raw_fd(), from.as_ptr(), dir.as_raw_fd(), to.as_ptr()) } < 0 {
             return Err(std::io::Error::last_os_error());
         }
         Ok(())
@@ -1266,7 +1347,7 @@ impl Sandbox for LocalSandbox {
                 let normalized = this.checked(&shown)?;
                 let mut file =
                     open_beneath(&this.root, &normalized, Access::Write).map_err(|error| error.shown(&shown))?;
-                overwrite(&mut file, &contents, reserve).map_err(io)
+                write_whole(&this.root, &normalized, &mut file, &contents).map_err(io)
             })
             .await
         })
@@ -1453,6 +1534,72 @@ mod tests {
         let mut file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         overwrite(&mut file, b"newer and longer", reserve).unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "newer and longer");
+    }
+
+    /// A write over a file with contents replaces it whole: the new contents in a new file of
+    /// the old one's mode, renamed over it, nothing left beside it. A write that fails partway
+    /// (a disk filling on a copy-on-write filesystem, where reserving room reserves nothing)
+    /// leaves the old file as it was.
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn a_write_replaces_a_file_whole_or_leaves_it_as_it_was() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dirs = scratch("replace");
+        let path = dirs.root.join("notes.txt");
+        std::fs::write(&path, "the old notes, long").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let before = std::fs::metadata(&path).unwrap();
+        let sandbox = LocalSandbox {
+            root: dirs.root.clone(),
+        };
+        sandbox.write_file("notes.txt", b"new".to_vec()).await.unwrap();
+        let after = std::fs::metadata(&path).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
+        assert_ne!(after.ino(), before.ino(), "replaced, not written over");
+        assert_eq!(after.permissions().mode() & 0o7777, 0o640);
+        let names = |dir: &Path| {
+            let mut names: Vec<String> = std::fs::read_dir(dir)
+                .unwrap()
+                .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+                .collect();
+            names.sort();
+            names
+        };
+        assert_eq!(names(&dirs.root), ["notes.txt"]);
+        // A write cut off partway: half written, then the disk is full.
+        let dir = beneath::open_at(None, dirs.root.as_os_str(), beneath::DIRECTORY).unwrap();
+        let name = std::ffi::OsStr::new("notes.txt");
+        let status = beneath::status_at(&dir, name).unwrap();
+        let cut = |file: &mut std::fs::File| {
+            use std::io::Write;
+            file.write_all(b"half of the new")?;
+            Err(std::io::Error::from_raw_os_error(libc::ENOSPC))
+        };
+        let error = replace_at(&dir, name, &status, cut).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::ENOSPC));
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
+        assert_eq!(names(&dirs.root), ["notes.txt"], "the new file is removed");
+        // A link stays a link, and a file's links stay one file: both written in place.
+        std::os::unix::fs::symlink("notes.txt", dirs.root.join("link.txt")).unwrap();
+        std::fs::hard_link(&path, dirs.root.join("hard.txt")).unwrap();
+        sandbox
+            .write_file("link.txt", b"through the link".to_vec())
+            .await
+            .unwrap();
+        assert!(
+            std::fs::symlink_metadata(dirs.root.join("link.txt"))
+                .unwrap()
+                .is_symlink()
+        );
+        assert_eq!(
+            std::fs::read_to_string(dirs.root.join("hard.txt")).unwrap(),
+            "through the link"
+        );
+        sandbox
+            .write_file("hard.txt", b"through the other".to_vec())
+            .await
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "through the other");
     }
 
     /// A listing reads at most its limit of entries: one more fails it, saying so (a walk
