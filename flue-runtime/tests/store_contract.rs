@@ -614,6 +614,26 @@ async fn reopening_a_store_an_earlier_build_claimed_in_fences_the_attempt_it_rec
     assert_the_fence_admits_only(&path, &key, "attempt-2", "attempt-1").await;
 }
 
+/// One transaction larger than the WAL's bound grows the file while it commits; once the WAL
+/// restarts, the next commit cuts it back to the bound.
+#[tokio::test]
+async fn a_wal_grown_by_one_large_commit_is_cut_back_after_its_restart() {
+    use flue_runtime::store::InstanceKey;
+    let path = scratch_db();
+    let key = InstanceKey::new("assistant", "large");
+    let store = SqliteStore::open(&path).unwrap();
+    let wal = || std::fs::metadata(path.with_extension("db-wal")).unwrap().len();
+    let limit = SqliteStore::WAL_SIZE_LIMIT as u64;
+    store.admit(admission(&key, "l-1", &"x".repeat(8 << 20))).await.unwrap();
+    assert!(wal() > limit, "the large commit's WAL is {} bytes", wal());
+    // The large commit restarted the WAL; the next commits start it over and cut the file.
+    for i in 0..3 {
+        store.append(&key, vec![state_record(i)].into(), None).await.unwrap();
+    }
+    assert!(wal() <= limit, "the WAL is still {} bytes", wal());
+    assert_eq!(store.read(&key, None).await.unwrap().len(), 4);
+}
+
 #[tokio::test]
 async fn the_checkpointer_keeps_the_wal_from_growing_with_every_commit() {
     use flue_runtime::store::InstanceKey;

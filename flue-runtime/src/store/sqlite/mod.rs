@@ -3,11 +3,13 @@
 //! Durability setting: WAL journal with `synchronous = NORMAL`. Every durability point is one
 //! transaction; a committed transaction survives a crash of the process (the WAL is written
 //! before the commit returns), while a power loss may lose the last transactions before the
-//! next checkpoint. Only checkpoints fsync (the WAL, then the database file); they run on a
+//! next checkpoint. Checkpoints fsync (the WAL, then the database file); they run on a
 //! checkpointer thread with its own connection, so a commit waits for a disk flush only in the
 //! checkpoint the writer runs itself once per [`SqliteStore::WAL_RESTART_FRAMES`] WAL frames
-//! (see [`Checkpointer`]): a stall of two fsyncs, a few milliseconds on a virtual disk, about
-//! once per 200 exchanges of the `turn_overhead` benchmark. Statements are
+//! (see [`Checkpointer`]), and in the next commit, which starts the WAL over and syncs its new
+//! header (SQLite does, so a crash cannot mix the old WAL's frames into the new one): a stall
+//! of three fsyncs, a few milliseconds on a virtual disk, about once per 200 exchanges of the
+//! `turn_overhead` benchmark. Statements are
 //! prepared once per connection (rusqlite's statement cache), `BEGIN` and `COMMIT` included.
 //! [`SqliteStore::with_full_sync`] makes every commit wait for its WAL frames to reach the
 //! disk (`synchronous = FULL`), so a committed transaction survives a power loss or an OS
@@ -897,7 +899,8 @@ fn ready<T: Send + 'static>(value: T) -> BoxFuture<'static, T> {
 
 impl SqliteStore {
     /// The WAL's length in frames (pages) at which a commit restarts it: the bound on its size
-    /// (about 4 MiB of [`Self::PAGE_SIZE`] pages). The commit that restarts the WAL waits for
+    /// (about 4 MiB of [`Self::PAGE_SIZE`] pages) between commits, beyond the frames of the
+    /// largest transaction (see [`Self::WAL_SIZE_LIMIT`]). The commit that restarts the WAL waits for
     /// two fsyncs; a larger bound makes that rarer, but every commit until the WAL first wraps
     /// extends the file, and on ext4 an extending write costs more than overwriting the file in
     /// place. Measured with the `turn_overhead` benchmark at 4 KiB pages, 8,192 frames (32 MiB)
@@ -906,6 +909,13 @@ impl SqliteStore {
     /// (a restart about every 200 exchanges) did better than 2,000 (every 100): the SQLite
     /// profile's 20,000 exchanges took 2.4–2.8 s against 2.6–3.4 s.
     pub const WAL_RESTART_FRAMES: i32 = 4000;
+
+    /// The WAL's size in bytes past which the first commit after a restart cuts the file back
+    /// to it (`journal_size_limit`): [`Self::WAL_RESTART_FRAMES`] frames of a page and its
+    /// header, and the WAL's own header. One transaction larger than that (an admission
+    /// carrying a large image) still grows the WAL while it commits; without the limit the
+    /// file kept that size until the store closed.
+    pub const WAL_SIZE_LIMIT: i64 = Self::WAL_RESTART_FRAMES as i64 * (Self::PAGE_SIZE as i64 + 24) + 32;
 
     /// The page size of a database this store creates, in bytes (SQLite's default is 4 KiB; a
     /// database created with another size keeps it). A commit writes each page it changed
@@ -991,7 +1001,10 @@ impl SqliteStore {
         // refuses is left exactly as it was, its journal mode included.
         migrate(&mut connection)?;
         connection
-            .execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;")
+            .execute_batch(&format!(
+                "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA journal_size_limit = {};",
+                SqliteStore::WAL_SIZE_LIMIT
+            ))
             .map_err(sql)?;
         connection.set_prepared_statement_cache_capacity(64);
         // The versions first: a commit of another connection after them is seen as a change

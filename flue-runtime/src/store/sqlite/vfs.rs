@@ -7,7 +7,8 @@
 //! the WAL files only.
 //!
 //! A header that SQLite appends at the WAL's end (a frame's, or the WAL's own at offset 0
-//! when the WAL starts over) begins a gather: it and the appends that follow it are held and
+//! when the WAL starts over: SQLite syncs that one at once, which writes it alone) begins a
+//! gather: it and the appends that follow it are held and
 //! then written in one call when the page of a commit frame (a frame whose header carries the
 //! database size) arrives, inside that page's write, before SQLite publishes the commit. So a
 //! commit that returns has all its frames in the file, as it would without this VFS, and a
