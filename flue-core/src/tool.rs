@@ -366,10 +366,13 @@ impl ToolBuilder {
 
     /// Marks the tool durable: a call interrupted before it ended runs again when the response
     /// resumes, and the [`ToolContext::step`]s that settled before the interruption return
-    /// their recorded values instead of running again. A call that ended has its outcome
-    /// recorded at once and never runs again; its persistent-state writes, though, count only
-    /// if its batch commits (an attempt that ends in between loses them, as the reference's
-    /// rollback does): what must survive belongs in a step's value.
+    /// their recorded values instead of running again. A call that ended while others of its
+    /// batch ran on has its outcome recorded at once and never runs again; the outcome of the
+    /// batch's last call to end is recorded with the batch's commit, so an attempt that ends
+    /// before that commit runs it again (work it did outside its steps is done twice). Its
+    /// persistent-state writes count only if its batch commits (an attempt that ends in
+    /// between loses them, as the reference's rollback does): what must survive belongs in a
+    /// step's value.
     pub fn durable(mut self) -> Self {
         self.durable = true;
         self

@@ -3866,7 +3866,8 @@ impl Response<'_> {
                     // The outcome is durable as the tool ends, while the others run on (reference
                     // §3.3): an attempt that ends before the batch commits keeps it, and the call
                     // is never run again. The batch's last call goes with the commit (one append
-                    // fewer). The data the tool wrote lands first; an attempt one of whose
+                    // fewer): an attempt that ends before that commit runs it again if durable,
+                    // and gives it the unknown outcome otherwise. The data the tool wrote lands first; an attempt one of whose
                     // appends failed (a durable step's) records nothing more: it is re-attempted
                     // from what is durable, and the call runs again.
                     let mut failed = None;
