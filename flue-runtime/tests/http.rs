@@ -1087,6 +1087,26 @@ async fn reads_of_a_long_stream(cached: usize) {
     assert!(largest <= 1000, "a read of {largest} batches (cache of {cached})");
 }
 
+/// A JSON read the cache does not serve reads one page of its answer (100 batches) and one
+/// batch more, to tell whether it reaches the head: not a store page of 256, most of which it
+/// would hold unanswered. (Regression: with large batches, that was hundreds of MiB per read,
+/// counted in no room.)
+#[tokio::test]
+async fn a_read_the_cache_does_not_serve_reads_one_page_of_its_answer_and_one_batch_more() {
+    let options = HttpOptions {
+        updates_cache_instances: 0,
+        ..HttpOptions::default()
+    };
+    let long = LongConversation::serve(options, 400).await;
+    let url = format!("http://{}/agents/calculator/long?view=updates&offset=-1", long.addr);
+    let response = reqwest::get(url).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(response.headers().get("stream-up-to-date").is_none());
+    let chunks: Vec<Value> = response.json().await.unwrap();
+    assert!(chunks.len() > 1, "{chunks:?}");
+    assert_eq!(long.largest.load(std::sync::atomic::Ordering::SeqCst), 101);
+}
+
 /// Readers who connect at once to a conversation no cache entry holds (after a restart, or
 /// once its entry was evicted) fold it once, not once each: one read fills the entry while the
 /// others wait for it and read what it made. (Before, each folded a copy of its own, which no

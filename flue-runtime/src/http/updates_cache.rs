@@ -731,12 +731,17 @@ impl UpdatesCache {
             }
             self.count_folded(after + 1);
         }
-        // One store page holds a full page of the read (by count), and more.
-        let batches = store.read_page(key, after, READ_PAGE).await?;
+        // A full page of the read (by count), and one batch more to tell whether the page
+        // reaches the head; held in room with the fold until answered.
+        let batches = store.read_page(key, after, BATCHES_PER_READ + 1).await?;
+        let read = batches.iter().map(super::projection::batch_weight).sum::<usize>();
+        if !self.room.hold(&mut room, projection.weight() + read) {
+            return Err(ReadFailure::Busy);
+        }
         let mut page = Page {
             chunks: Vec::new(),
             next: after,
-            up_to_date: batches.len() < READ_PAGE,
+            up_to_date: batches.len() <= BATCHES_PER_READ,
         };
         let (mut projected, mut bytes) = (0, 0);
         for batch in &batches {
@@ -755,7 +760,7 @@ impl UpdatesCache {
             page.next = Some(batch.offset);
             projected += 1;
         }
-        if !self.room.hold(&mut room, projection.weight() + bytes) {
+        if !self.room.hold(&mut room, projection.weight() + read + bytes) {
             return Err(ReadFailure::Busy);
         }
         Ok(Lookup::Page(page))
