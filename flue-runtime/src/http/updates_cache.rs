@@ -408,7 +408,23 @@ impl UpdatesCache {
         let Some(incarnation) = incarnation.filter(|_| self.capacity > 0) else {
             return Ok(None);
         };
-        let slot = self.slot(key);
+        let slot = match self.held_slot(key) {
+            Some(slot) => slot,
+            None => {
+                // A lookup that will not fill an entry (a read before the window it would
+                // hold, or past the head) takes no place from the entries held.
+                let Some(head) = store.last_offset(key).await? else {
+                    return Ok(Some(Lookup::Missing));
+                };
+                if after > Some(head) {
+                    return Ok(Some(Lookup::Gone(Some(head))));
+                }
+                if after < self.window_base(head) {
+                    return Ok(None);
+                }
+                self.slot(key)
+            }
+        };
         let mut filling = None;
         loop {
             match self.answer_from_entry(store, key, incarnation, &slot, after).await? {
@@ -650,6 +666,13 @@ impl UpdatesCache {
         }
     }
 
+    /// The offset just before the first batch a window filled at `head` would hold (counting
+    /// only the batch bound: the byte bound may keep fewer, and then the read is answered
+    /// afresh); `None` when it would hold the stream from its start. Offsets count from 0.
+    fn window_base(&self, head: u64) -> Option<u64> {
+        (head + 1).saturating_sub(self.window_batches as u64).checked_sub(1)
+    }
+
     /// A read that finds no entry of `incarnation`: the stream is folded (a store page at a
     /// time, taking room for the fold as it grows) into a new entry when the read falls within
     /// what the entry's window will hold. `None` when it does not, or when the window kept less
@@ -668,10 +691,7 @@ impl UpdatesCache {
         if after > Some(head) {
             return Ok(Some(Lookup::Gone(Some(head))));
         }
-        // The first batch the window would hold (counting only the batch bound: the byte bound
-        // may keep fewer, and then the read is answered afresh). Offsets count from 0.
-        let start = (head + 1).saturating_sub(self.window_batches as u64);
-        let base = start.checked_sub(1);
+        let base = self.window_base(head);
         if after < base {
             return Ok(None);
         }
@@ -1171,6 +1191,28 @@ mod tests {
                     .unwrap(),
                 Some(Lookup::Page(_))
             ),
+            "the one entry the cache holds is still there"
+        );
+        assert_eq!(cache.folded(), folded);
+    }
+
+    /// A filled lookup that will not fill an entry (a read before the window it would hold, or
+    /// past the head) takes no place from the entries held either.
+    #[tokio::test]
+    async fn a_filled_lookup_that_fills_nothing_takes_no_room_from_the_entries_held() {
+        let store = MemoryStore::new();
+        let (held, held_uid, held_head) = conversation(&store, "held", 2).await;
+        let (other, other_uid, other_head) = conversation(&store, "other", 3).await;
+        let cache = windowed_cache(1, usize::MAX, 4, usize::MAX);
+        read(&cache, &store, &held, &held_uid, Some(held_head)).await;
+        let before = cache.filled(&store, &other, Some(&other_uid), Some(other_head - 5));
+        assert!(before.await.unwrap().is_none());
+        let past = cache.filled(&store, &other, Some(&other_uid), Some(other_head + 1));
+        assert!(matches!(past.await.unwrap(), Some(Lookup::Gone(Some(head))) if head == other_head));
+        let folded = cache.folded();
+        let again = cache.cached(&store, &held, Some(&held_uid), Some(held_head));
+        assert!(
+            matches!(again.await.unwrap(), Some(Lookup::Page(_))),
             "the one entry the cache holds is still there"
         );
         assert_eq!(cache.folded(), folded);
