@@ -885,6 +885,9 @@ impl Conversation {
             }
             RecordBody::MessageDeleted { message_id } => {
                 if let Some(index) = self.row_index(message_id) {
+                    // The running step's own row (a tool deleting it): its batch's results,
+                    // not in the history yet, will have no call.
+                    let open_step = !self.open_calls.is_empty() && *message_id == self.open_calls_step;
                     self.retire_call_ids(index..index + 1);
                     self.messages.make_mut().remove(index);
                     let row = self.rows.remove(index);
@@ -902,7 +905,7 @@ impl Conversation {
                     // Only a deletion that left a call or a result unpaired makes requests drop
                     // orphans (a copy of the history each): most (a user's row, an injected
                     // note) leave the history shared.
-                    self.edited = self.has_orphans();
+                    self.edited = open_step || self.has_orphans();
                 }
             }
             RecordBody::ThreadValueSet { key, value } => {
@@ -2934,6 +2937,81 @@ mod tests {
                 .iter()
                 .all(|message| !matches!(message, ModelMessage::Tool { tool_call_id, .. } if tool_call_id == "call-1")),
             "the orphaned result is dropped"
+        );
+    }
+
+    /// A tool that deletes its own step's row while its batch runs leaves the batch's results
+    /// without their call: requests drop them. (Regression: the check looked only at the
+    /// history before the results, which were not in it yet, so every later request sent a
+    /// result without its call, which providers refuse.)
+    #[test]
+    fn a_step_deleted_while_its_batch_runs_leaves_its_results_dropped_from_requests() {
+        let mut conversation = Conversation::default();
+        tool_exchange(&mut conversation, 0);
+        let records = [
+            RecordBody::UserMessage {
+                message_id: "user-1".into(),
+                body: "clear the chat".into(),
+                attachments: Vec::new(),
+            },
+            RecordBody::AssistantMessageStarted {
+                message_id: "step-1".into(),
+                model: "scripted/x".into(),
+                turn_id: None,
+                response_metadata: None,
+            },
+            RecordBody::AssistantToolCall {
+                message_id: "step-1".into(),
+                tool_call_id: "call-1".into(),
+                name: "clear".into(),
+                arguments: "{}".into(),
+            },
+            RecordBody::AssistantMessageCompleted {
+                message_id: "step-1".into(),
+                text: String::new(),
+                reasoning: String::new(),
+                stop_reason: StopReason::ToolUse,
+                usage: Default::default(),
+                reasoning_blocks: Vec::new(),
+            },
+        ];
+        conversation.apply(&Batch {
+            offset: 1,
+            records: records.into_iter().map(record).collect(),
+        });
+        // The tool deletes its own step's row; then its batch commits.
+        let batch = [
+            RecordBody::MessageDeleted {
+                message_id: "step-1".into(),
+            },
+            RecordBody::ToolOutcome {
+                output: None,
+                assistant_message_id: "step-1".into(),
+                tool_call_id: "call-1".into(),
+                tool_name: "clear".into(),
+                is_error: false,
+                content: "cleared".into(),
+                terminate: false,
+                duration_ms: 0,
+            },
+            RecordBody::ToolResultsCommitted {
+                assistant_message_id: "step-1".into(),
+            },
+        ];
+        conversation.apply(&Batch {
+            offset: 2,
+            records: batch.into_iter().map(record).collect(),
+        });
+        let sent = conversation.model_messages();
+        assert!(
+            sent.iter()
+                .all(|message| !matches!(message, ModelMessage::Tool { tool_call_id, .. } if tool_call_id == "call-1")),
+            "the result without its call is dropped: {sent:?}"
+        );
+        assert!(
+            sent.iter()
+                .any(|message| matches!(message, ModelMessage::Tool { tool_call_id, .. } if tool_call_id == "call-0")),
+            "the earlier exchange's result stays"
         );
     }
 
