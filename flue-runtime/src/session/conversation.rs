@@ -75,6 +75,13 @@ pub(crate) fn record_weight(body: &RecordBody) -> usize {
             .iter()
             .map(|(key, value)| key.len() + value_weight(value))
             .sum::<usize>(),
+        // Held until its batch commits (a fetched document, say).
+        RecordBody::ToolStepSettled {
+            tool_call_id,
+            step_name,
+            value,
+            ..
+        } => tool_call_id.len() + step_name.len() + value_weight(value),
         _ => return 0,
     };
     RECORD_WEIGHT + text
@@ -1616,11 +1623,22 @@ impl Conversation {
             .iter()
             .map(|(id, blocks)| NODE_WEIGHT + id.len() + reasoning_size_hint(blocks))
             .sum();
+        // Settled steps of an uncommitted batch, and the ids of every call that left the
+        // history (kept for the conversation's life: a compaction does not shrink them).
+        let steps: usize = self
+            .tool_steps
+            .iter()
+            .flat_map(|(call, steps)| steps.iter().map(move |(name, value)| (call, name, value)))
+            .map(|(call, name, value)| RECORD_WEIGHT + call.len() + name.len() + value_weight(value))
+            .sum();
+        let retired: usize = self.retired_call_ids.iter().map(|id| NODE_WEIGHT + id.len()).sum();
         self.weight = RECORD_WEIGHT * self.rows.len()
             + messages
             + aside
             + images
             + values
+            + steps
+            + retired
             + self.initial_data.as_ref().map_or(0, value_weight);
     }
 
@@ -2937,6 +2955,26 @@ mod tests {
                 .iter()
                 .all(|message| !matches!(message, ModelMessage::Tool { tool_call_id, .. } if tool_call_id == "call-1")),
             "the orphaned result is dropped"
+        );
+    }
+
+    /// The ids of calls whose steps a compaction summarized are kept for the conversation's
+    /// life, and the weight a compaction counts afresh counts them. (Regression: it counted
+    /// only what the history kept, so the runtime's cache bound did not see a long-lived
+    /// instance's growing set of ids.)
+    #[test]
+    fn the_weight_a_compaction_counts_includes_the_ids_of_the_calls_it_retired() {
+        let mut conversation = Conversation::default();
+        for exchange in 0..300 {
+            tool_exchange(&mut conversation, exchange);
+        }
+        conversation.apply(&compacted(300, "three hundred sums", "user-299"));
+        assert_eq!(conversation.retired_call_ids.len(), 299);
+        let retired = 299 * (NODE_WEIGHT + "call-100".len());
+        assert!(
+            conversation.weight() > retired,
+            "a weight of {} with {retired} bytes of retired ids",
+            conversation.weight()
         );
     }
 
