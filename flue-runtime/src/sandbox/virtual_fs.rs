@@ -150,10 +150,10 @@ impl std::ops::Deref for Files {
 
 impl Files {
     /// Writes `contents` at `path`, within [`MAX_VIRTUAL_BYTES`] and [`MAX_VIRTUAL_FILES`].
-    /// (The bytes counted are those allocated for the files, their capacities.)
+    /// (The bytes counted are those allocated for the files: see [`file_weight`].)
     fn insert(&mut self, path: String, contents: Vec<u8>) -> Result<(), SandboxError> {
-        let replaced = self.by_path.get(&path).map(Vec::capacity);
-        let bytes = self.bytes - replaced.unwrap_or(0) + contents.capacity();
+        let replaced = self.by_path.get(&path).map(|old| file_weight(&path, old));
+        let bytes = self.bytes - replaced.unwrap_or(0) + file_weight(&path, &contents);
         if bytes > MAX_VIRTUAL_BYTES {
             return Err(SandboxError::Io(format!(
                 "the in-memory sandbox holds at most {MAX_VIRTUAL_BYTES} bytes of files; this write would make {bytes}"
@@ -188,10 +188,22 @@ impl Files {
 
     fn remove(&mut self, path: &str) -> Option<Vec<u8>> {
         let removed = self.by_path.remove(path)?;
-        self.bytes -= removed.capacity();
-        ALL_BYTES.fetch_sub(removed.capacity(), std::sync::atomic::Ordering::AcqRel);
+        let weight = file_weight(path, &removed);
+        self.bytes -= weight;
+        ALL_BYTES.fetch_sub(weight, std::sync::atomic::Ordering::AcqRel);
         Some(removed)
     }
+}
+
+/// What a file entry beyond its path and contents holds: its share of the map's node and the
+/// headers of its path and contents.
+const FILE_ENTRY_BYTES: usize = 64;
+
+/// The bytes a file holds: its contents' allocation, its path and its entry. (Counting the
+/// contents alone, a hundred thousand empty files under 4 KB paths held some 400 MB that no
+/// bound saw.)
+fn file_weight(path: &str, contents: &Vec<u8>) -> usize {
+    FILE_ENTRY_BYTES + path.len() + contents.capacity()
 }
 
 impl VirtualSandbox {
@@ -340,7 +352,7 @@ mod tests {
         ]
         .into_iter()
         .collect();
-        let dropped = super::idle_workspaces_to_drop(&mut workspaces, 150);
+        let dropped = super::idle_workspaces_to_drop(&mut workspaces, 200);
         assert_eq!(dropped.len(), 2);
         let mut left: Vec<String> = workspaces.keys().map(|(_, id)| id.clone()).collect();
         left.sort();
@@ -372,15 +384,18 @@ mod tests {
     #[test]
     fn writes_past_the_room_of_the_in_memory_sandbox_fail_and_removals_free_it() {
         let sandbox = VirtualSandbox::default();
-        let quarter = MAX_VIRTUAL_BYTES / 4;
+        // Four files that fill the room, their paths and entries counted.
+        let quarter = MAX_VIRTUAL_BYTES / 4 - FILE_ENTRY_BYTES - "/big/0".len();
         for n in 0..4 {
             write(&sandbox, &format!("/big/{n}"), quarter).unwrap();
         }
-        let error = write(&sandbox, "/one-more", 1).unwrap_err();
+        assert_eq!(sandbox.files().bytes, MAX_VIRTUAL_BYTES);
+        let error = write(&sandbox, "/one-more", 0).unwrap_err();
         assert!(error.to_string().contains("at most"), "{error}");
         assert!(!sandbox.files().contains_key("/one-more"));
         // A file replaced by a smaller one makes room.
-        write(&sandbox, "/big/0", quarter - 10).unwrap();
+        let one_more = FILE_ENTRY_BYTES + "/one-more".len() + 10;
+        write(&sandbox, "/big/0", quarter - one_more).unwrap();
         write(&sandbox, "/one-more", 10).unwrap();
         assert!(
             write(&sandbox, "/big/1", quarter + 1).is_err(),
@@ -398,5 +413,21 @@ mod tests {
         }
         assert!(write(&sandbox, "/one-too-many", 0).is_err());
         write(&sandbox, "/f0", 1).unwrap();
+    }
+
+    /// Empty files count their paths against the room, and a removal gives them back.
+    #[test]
+    fn empty_files_count_their_paths_against_the_room() {
+        let sandbox = VirtualSandbox::default();
+        let long = "d".repeat(4000);
+        for n in 0..10 {
+            write(&sandbox, &format!("/{long}/f{n}"), 0).unwrap();
+        }
+        let held = sandbox.files().bytes;
+        assert!(held >= 10 * 4000, "{held} bytes counted for 10 paths of 4 KB");
+        futures_util::FutureExt::now_or_never(sandbox.remove(&format!("/{long}/f0")))
+            .unwrap()
+            .unwrap();
+        assert_eq!(sandbox.files().bytes, held / 10 * 9);
     }
 }
