@@ -30,7 +30,9 @@
 //!   2000 lines / 50 KB (the end), `grep` 100 matches of at most 500 characters per line,
 //!   `glob` 1000 paths, `edit` files (before and after the edit) of at most 16 MB; `grep` and
 //!   `glob` walk at most 20,000 files and directories (and say so when they stop there).
-//!   Writes and edits of one file run one at a time.
+//!   Writes and edits of one file by a submission (and its delegates) run one at a time,
+//!   each to its end once started, even when the response is aborted meanwhile. (Submissions
+//!   of several instances sharing one local directory do not wait for each other's.)
 //! - `read` and `grep` read a file a piece at a time ([`Sandbox::read_file_with`]), only as
 //!   far as they can show: `read` stops 1 MB past its window (a marker then counts "more
 //!   than" the lines seen, and only what was read is checked to be UTF-8) and skips at most

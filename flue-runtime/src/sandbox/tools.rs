@@ -597,14 +597,34 @@ fn write(session: &SandboxSession, args: WriteArgs) -> BoxFuture<'_, ToolOutput>
             Ok(path) => path,
             Err(error) => return sandbox_error(error),
         };
-        let lock = session.lock_of(&path).await;
-        let _guard = lock.lock().await;
+        let guard = session.lock_of(&path).await.lock_owned().await;
         let size = args.content.len();
-        match session.sandbox.write_file(&path, args.content.into_bytes()).await {
+        match write_holding(session, &path, args.content.into_bytes(), guard).await {
             Ok(()) => ToolOutput::text(format!("Wrote {size} bytes to {path}.")),
             Err(error) => sandbox_error(error),
         }
     })
+}
+
+/// Writes `contents` at `path` holding the file's lock (`guard`) until the write has ended,
+/// even when the tool is dropped meanwhile (an abort, a deadline): the write goes on to its
+/// end (a local sandbox's runs on a blocking thread, which nothing stops), and the next write
+/// of the file waits for it, not only for the tool that started it.
+async fn write_holding(
+    session: &SandboxSession,
+    path: &str,
+    contents: Vec<u8>,
+    guard: tokio::sync::OwnedMutexGuard<()>,
+) -> Result<(), SandboxError> {
+    let (sandbox, path) = (session.sandbox.clone(), path.to_owned());
+    let write = tokio::spawn(async move {
+        let written = sandbox.write_file(&path, contents).await;
+        drop(guard);
+        written
+    });
+    write
+        .await
+        .unwrap_or_else(|_| Err(SandboxError::Io("the write panicked".into())))
 }
 
 /// The largest file `edit` reads or writes.
@@ -633,8 +653,7 @@ fn edit(session: &SandboxSession, args: EditArgs) -> BoxFuture<'_, ToolOutput> {
         if args.old_string.is_empty() {
             return ToolOutput::error("old_string must not be empty.");
         }
-        let lock = session.lock_of(&path).await;
-        let _guard = lock.lock().await;
+        let guard = session.lock_of(&path).await.lock_owned().await;
         // Read no further than an editable file goes: a huge file is refused, not held.
         let mut bytes = Vec::new();
         let mut visit = |piece: &[u8]| {
@@ -676,7 +695,7 @@ fn edit(session: &SandboxSession, args: EditArgs) -> BoxFuture<'_, ToolOutput> {
         } else {
             text.replacen(&args.old_string, &args.new_string, 1)
         };
-        match session.sandbox.write_file(&path, edited.into_bytes()).await {
+        match write_holding(session, &path, edited.into_bytes(), guard).await {
             Ok(()) => ToolOutput::text(format!(
                 "Edited {path} ({count} replacement{}).",
                 if count == 1 { "" } else { "s" }
@@ -1032,6 +1051,80 @@ mod tests {
                 Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
             }
         };
+    }
+
+    /// A sandbox whose writes go on after their futures are dropped (as a local sandbox's
+    /// blocking writes do), each until `release` gives it a permit; `log` says when each
+    /// started and ended.
+    struct SlowWrites {
+        log: Arc<std::sync::Mutex<Vec<String>>>,
+        release: Arc<tokio::sync::Semaphore>,
+    }
+
+    impl Sandbox for SlowWrites {
+        fn read_file(&self, path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::NotFound(path.to_owned()))))
+        }
+
+        fn write_file(&self, _: &str, contents: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>> {
+            let (log, release) = (self.log.clone(), self.release.clone());
+            let text = String::from_utf8_lossy(&contents).into_owned();
+            log.lock().unwrap().push(format!("start {text}"));
+            let (done, ended) = tokio::sync::oneshot::channel();
+            tokio::spawn(async move {
+                release.acquire().await.unwrap().forget();
+                log.lock().unwrap().push(format!("end {text}"));
+                let _ = done.send(());
+            });
+            Box::pin(async move { ended.await.map_err(|_| SandboxError::Io("the write was lost".into())) })
+        }
+
+        fn remove(&self, _: &str) -> BoxFuture<'_, Result<(), SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("removals"))))
+        }
+
+        fn list_dir(&self, path: &str) -> BoxFuture<'_, Result<Vec<DirEntry>, SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::NotFound(path.to_owned()))))
+        }
+
+        fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
+            Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
+        }
+    }
+
+    /// A write whose tool is dropped (an abort) holds its file's lock until the write itself
+    /// ends: the next write of the file starts after it, not beside it. (Regression: the lock
+    /// went with the tool, while a local sandbox's blocking write went on.)
+    #[tokio::test]
+    async fn a_write_dropped_mid_way_holds_its_files_lock_until_the_write_ends() {
+        let sandbox = Arc::new(SlowWrites {
+            log: Arc::default(),
+            release: Arc::new(tokio::sync::Semaphore::new(0)),
+        });
+        let session = SandboxSession::new(sandbox.clone(), None).unwrap();
+        let log = || sandbox.log.lock().unwrap().clone();
+        let args = |content: &str| WriteArgs {
+            path: "notes.txt".into(),
+            content: content.into(),
+        };
+        let mut first = write(&session, args("first"));
+        while log().is_empty() {
+            tokio::select! {
+                _ = &mut first => panic!("the first write ended"),
+                () = tokio::time::sleep(std::time::Duration::from_millis(5)) => {}
+            }
+        }
+        drop(first);
+        let mut second = write(&session, args("second"));
+        tokio::select! {
+            _ = &mut second => panic!("the second write ended before the first"),
+            () = tokio::time::sleep(std::time::Duration::from_millis(50)) => {}
+        }
+        assert_eq!(log(), ["start first"], "the second write waits for the first");
+        sandbox.release.add_permits(2);
+        let (text, is_error) = text_of(second.await);
+        assert!(!is_error, "{text}");
+        assert_eq!(log(), ["start first", "end first", "start second", "end second"]);
     }
 
     /// A sandbox with one endless file, `/big.txt` (`line 1`, `line 2`, …): read whole, it
