@@ -1170,10 +1170,10 @@ pub fn kill_running_commands() {
     }
 }
 
-/// A command's process group, killed when dropped (whatever of it still runs), with the
-/// groups of the shell's descendants that left it (GNU `timeout`, `setsid`, job control move
-/// a process to a group of its own, which killing the command's group would miss) while they
-/// are still its descendants. A daemon that forks and leaves its parent
+/// A command's process group, killed when dropped (whatever of it still runs), with, on
+/// Linux, the groups of the shell's descendants that left it (GNU `timeout`, `setsid`, job
+/// control move a process to a group of its own, which killing the command's group would miss)
+/// while they are still its descendants. (Elsewhere the command's group alone is killed.) A daemon that forks and leaves its parent
 /// (`setsid -f`, `pg_ctl start`, `redis-server --daemonize yes`, `ssh -fN`) is no longer
 /// one, and outlives the command: run untrusted models in a container of their own.
 struct ProcessGroup(u32);

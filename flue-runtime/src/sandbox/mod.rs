@@ -17,7 +17,8 @@
 //!   all), and it has no resource limits. What a command leaves running in the background
 //!   once it has ended (`npm run dev &`) is not tracked: it outlives the response and the
 //!   process (a command still running at its timeout, an abort or the CLI's exit is killed
-//!   with everything it started). Run untrusted models as a user of their own, or in a
+//!   with everything it started; on other systems than Linux, with what stayed in its
+//!   process group). Run untrusted models as a user of their own, or in a
 //!   container. The file tools' paths are sandbox paths — `/` is the root — and a path that
 //!   leaves the root is refused; the root's own host path (which commands see: they start in
 //!   it) names the root too, so a path a command printed names the same file.
