@@ -4,7 +4,7 @@
 //! Sandbox paths map onto the root (`/` is the root); a path that leaves it — through `..` or
 //! through a symbolic link — is refused.
 
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -107,8 +107,14 @@ impl SandboxFactory for LocalSandboxFactory {
         let root = self.root.clone();
         Box::pin(async move {
             tokio::fs::create_dir_all(&root).await.map_err(io)?;
-            let root = tokio::fs::canonicalize(&root).await.map_err(io)?;
-            Ok(Arc::new(LocalSandbox { root }) as Arc<dyn Sandbox>)
+            let real = tokio::fs::canonicalize(&root).await.map_err(io)?;
+            // The root as configured too, when a link leads to it (see `Root::logical`).
+            let logical = std::path::absolute(&root)
+                .ok()
+                .filter(|logical| *logical != real && logical.components().all(|part| part != Component::ParentDir));
+            Ok(Arc::new(LocalSandbox {
+                root: Root { real, logical },
+            }) as Arc<dyn Sandbox>)
         })
     }
 }
@@ -118,7 +124,50 @@ impl SandboxFactory for LocalSandboxFactory {
 /// workers.
 #[derive(Clone, Debug)]
 pub struct LocalSandbox {
-    root: PathBuf,
+    root: Root,
+}
+
+/// A local sandbox's root directory: its real path (links resolved), which it is used by,
+/// and the path it was configured with when a link leads there (macOS's `/tmp` is
+/// `/private/tmp`; Fedora Silverblue's `/home` is `/var/home`). Commands see both: they start
+/// in the real one, but a shell's `cd ~/project; pwd` prints the configured one, as do links a
+/// user made with it. A path under either names the same file.
+#[derive(Clone, Debug)]
+struct Root {
+    real: PathBuf,
+    logical: Option<PathBuf>,
+}
+
+impl Root {
+    /// A root without another path to it.
+    #[cfg(test)]
+    fn real(real: PathBuf) -> Self {
+        Self { real, logical: None }
+    }
+
+    /// `path` past the root (its real path, or the configured one), when it is under it.
+    #[cfg(unix)]
+    fn strip<'p>(&self, path: &'p Path) -> Option<&'p Path> {
+        path.strip_prefix(&self.real).ok().or_else(|| {
+            self.logical
+                .as_ref()
+                .and_then(|logical| path.strip_prefix(logical).ok())
+        })
+    }
+}
+
+impl std::ops::Deref for Root {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.real
+    }
+}
+
+impl AsRef<Path> for Root {
+    fn as_ref(&self) -> &Path {
+        &self.real
+    }
 }
 
 /// Writes `contents` over `file` (opened at its start, not appending) and cuts what is left of
@@ -150,7 +199,7 @@ fn overwrite(
 /// ([`overwrite`]): a link stays a link, the links stay one file, and an empty file has nothing
 /// to lose.
 #[cfg(unix)]
-fn write_whole(root: &Path, path: &str, file: &mut std::fs::File, contents: &[u8]) -> std::io::Result<()> {
+fn write_whole(root: &Root, path: &str, file: &mut std::fs::File, contents: &[u8]) -> std::io::Result<()> {
     use std::os::unix::fs::MetadataExt;
     let opened = file.metadata()?;
     if opened.len() > 0
@@ -165,7 +214,7 @@ fn write_whole(root: &Path, path: &str, file: &mut std::fs::File, contents: &[u8
 }
 
 #[cfg(not(unix))]
-fn write_whole(_root: &Path, _path: &str, file: &mut std::fs::File, contents: &[u8]) -> std::io::Result<()> {
+fn write_whole(_root: &Root, _path: &str, file: &mut std::fs::File, contents: &[u8]) -> std::io::Result<()> {
     overwrite(file, contents, reserve)
 }
 
@@ -247,14 +296,16 @@ impl LocalSandbox {
     /// path stays that one (a root `/app` holding an `app/` directory: `/app/models` is
     /// `<root>/app/models`).
     fn inside<'p>(&self, path: &'p str) -> &'p str {
-        let Some(root) = self.root.to_str().filter(|root| *root != "/") else {
-            return path;
-        };
-        let rest = match path.strip_prefix(root) {
-            Some("") => "/",
-            Some(rest) if rest.starts_with('/') => rest,
-            _ => return path,
-        };
+        let rest = [Some(&self.root.real), self.root.logical.as_ref()]
+            .into_iter()
+            .flatten()
+            .filter_map(|root| root.to_str().filter(|root| *root != "/"))
+            .find_map(|root| match path.strip_prefix(root) {
+                Some("") => Some("/"),
+                Some(rest) if rest.starts_with('/') => Some(rest),
+                _ => None,
+            });
+        let Some(rest) = rest else { return path };
         let first = path.trim_start_matches('/').split('/').next().unwrap_or_default();
         if std::fs::symlink_metadata(self.root.join(first)).is_ok() {
             return path;
@@ -385,7 +436,7 @@ const MAX_LINKS: usize = 40;
 /// Opens the file at the normalized sandbox path `path` under `root`, never leaving the root
 /// whatever changes on disk meanwhile (see [`walk_beneath`]).
 #[cfg(unix)]
-fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File, OpenError> {
+fn open_beneath(root: &Root, path: &str, access: Access) -> Result<std::fs::File, OpenError> {
     let end = End::Open {
         flags: access.flags(),
         make_dirs: access == Access::Write,
@@ -403,7 +454,7 @@ fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File
 /// descriptor (`unlinkat`), so no directory swapped for a link on the way leads the removal
 /// out of the root. A link is removed itself, not followed.
 #[cfg(unix)]
-fn remove_beneath(root: &Path, path: &str) -> Result<(), OpenError> {
+fn remove_beneath(root: &Root, path: &str) -> Result<(), OpenError> {
     let (dir, name) = walk_beneath(root, path, End::Parent)?;
     let Some(name) = name else {
         return Err(OpenError::Io(std::io::Error::from_raw_os_error(libc::EINVAL)));
@@ -430,7 +481,7 @@ fn too_many_entries(limit: usize) -> std::io::Error {
 /// way (or the listed one itself) leads the listing out of the root. Entries are described as
 /// they are (a link as a link, not followed); names that are not UTF-8 are left out.
 #[cfg(unix)]
-fn list_beneath(root: &Path, path: &str) -> Result<Vec<DirEntry>, OpenError> {
+fn list_beneath(root: &Root, path: &str) -> Result<Vec<DirEntry>, OpenError> {
     let end = End::Open {
         flags: libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
         make_dirs: false,
@@ -461,7 +512,7 @@ fn list_beneath(root: &Path, path: &str) -> Result<Vec<DirEntry>, OpenError> {
 /// of a directory beneath the root whatever was swapped on disk after the check. (`O_CLOEXEC`:
 /// a command started meanwhile does not keep it open.)
 #[cfg(unix)]
-fn open_dir_beneath(root: &Path, path: &str) -> Result<std::os::fd::OwnedFd, OpenError> {
+fn open_dir_beneath(root: &Root, path: &str) -> Result<std::os::fd::OwnedFd, OpenError> {
     let end = End::Open {
         flags: beneath::DIRECTORY,
         make_dirs: false,
@@ -499,7 +550,7 @@ enum End {
 /// absolute link, also one into the root; and the walk is needed anyway where it is missing.)
 #[cfg(unix)]
 fn walk_beneath(
-    root: &Path,
+    root: &Root,
     path: &str,
     end: End,
 ) -> Result<(std::os::fd::OwnedFd, Option<std::ffi::OsString>), OpenError> {
@@ -566,8 +617,9 @@ fn walk_beneath(
                 let target = beneath::read_link_at(parent, &name)?;
                 let target = Path::new(&target);
                 let rest = if target.is_absolute() {
-                    // An absolute target counts only inside the root: walked from the root.
-                    let inside = target.strip_prefix(root).map_err(|_| OpenError::Outside)?;
+                    // An absolute target counts only inside the root (by either of its paths):
+                    // walked from the root.
+                    let inside = root.strip(target).ok_or(OpenError::Outside)?;
                     walked.clear();
                     inside
                 } else {
@@ -881,7 +933,7 @@ mod beneath {
 /// Opens the file at the normalized sandbox path `path` under `root` (by path: elsewhere than
 /// on Unix, the check of [`LocalSandbox::resolve`] is all there is).
 #[cfg(not(unix))]
-fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File, OpenError> {
+fn open_beneath(root: &Root, path: &str, access: Access) -> Result<std::fs::File, OpenError> {
     let real = root.join(path.trim_start_matches('/'));
     match access {
         Access::Read => Ok(std::fs::File::open(&real)?),
@@ -897,7 +949,7 @@ fn open_beneath(root: &Path, path: &str, access: Access) -> Result<std::fs::File
 /// Removes the file, link or empty directory at the normalized sandbox path `path` (by path:
 /// elsewhere than on Unix, the check of [`LocalSandbox::resolve`] is all there is).
 #[cfg(not(unix))]
-fn remove_beneath(root: &Path, path: &str) -> Result<(), OpenError> {
+fn remove_beneath(root: &Root, path: &str) -> Result<(), OpenError> {
     let real = root.join(path.trim_start_matches('/'));
     if std::fs::symlink_metadata(&real)?.is_dir() {
         std::fs::remove_dir(&real)?;
@@ -910,7 +962,7 @@ fn remove_beneath(root: &Path, path: &str) -> Result<(), OpenError> {
 /// The entries of the directory at the normalized sandbox path `path` (by path, as
 /// [`remove_beneath`] elsewhere than on Unix).
 #[cfg(not(unix))]
-fn list_beneath(root: &Path, path: &str) -> Result<Vec<DirEntry>, OpenError> {
+fn list_beneath(root: &Root, path: &str) -> Result<Vec<DirEntry>, OpenError> {
     let mut entries = Vec::new();
     for entry in std::fs::read_dir(root.join(path.trim_start_matches('/')))? {
         let entry = entry?;
@@ -946,7 +998,7 @@ fn list_beneath(root: &Path, path: &str) -> Result<Vec<DirEntry>, OpenError> {
 #[cfg(unix)]
 async fn start_in(
     command: &mut tokio::process::Command,
-    root: PathBuf,
+    root: Root,
     path: String,
     shown: String,
 ) -> Result<(), SandboxError> {
@@ -1011,7 +1063,7 @@ async fn start_in(
 #[cfg(not(unix))]
 async fn start_in(
     command: &mut tokio::process::Command,
-    root: PathBuf,
+    root: Root,
     path: String,
     _shown: String,
 ) -> Result<(), SandboxError> {
@@ -1536,6 +1588,34 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "newer and longer");
     }
 
+    /// A root reached through a link is known by the path it was configured with too: a path
+    /// a command printed under it (`cd ~/project; pwd`) names the file under the root, not one
+    /// of a copy made beneath it, and a link a user made with it stays inside.
+    #[tokio::test]
+    async fn a_root_reached_through_a_link_is_known_by_its_configured_path_too() {
+        let dirs = scratch("logical-root");
+        let configured = dirs.base.join("configured");
+        std::os::unix::fs::symlink(&dirs.root, &configured).unwrap();
+        let sandbox = LocalSandboxFactory::new(&configured).create_sandbox("i").await.unwrap();
+        let printed = format!("{}/src/app.py", configured.display());
+        sandbox.write_file(&printed, b"print(1)".to_vec()).await.unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dirs.root.join("src/app.py")).unwrap(),
+            "print(1)"
+        );
+        assert_eq!(sandbox.read_file("/src/app.py").await.unwrap(), b"print(1)");
+        std::os::unix::fs::symlink(configured.join("src"), dirs.root.join("lib")).unwrap();
+        assert_eq!(sandbox.read_file("lib/app.py").await.unwrap(), b"print(1)");
+        // The real path still names the root, and a path outside both is refused.
+        let real = format!("{}/src/app.py", dirs.root.display());
+        assert_eq!(sandbox.read_file(&real).await.unwrap(), b"print(1)");
+        std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("away")).unwrap();
+        assert!(matches!(
+            sandbox.read_file("away/x").await,
+            Err(SandboxError::OutsideRoot(_))
+        ));
+    }
+
     /// A write over a file with contents replaces it whole: the new contents in a new file of
     /// the old one's mode, renamed over it, nothing left beside it. A write that fails partway
     /// (a disk filling on a copy-on-write filesystem, where reserving room reserves nothing)
@@ -1550,7 +1630,7 @@ mod tests {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
         let before = std::fs::metadata(&path).unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         sandbox.write_file("notes.txt", b"new".to_vec()).await.unwrap();
         let after = std::fs::metadata(&path).unwrap();
@@ -1629,12 +1709,12 @@ mod tests {
         let dirs = scratch("swapped-dir");
         std::fs::create_dir_all(dirs.root.join("sub")).unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         sandbox.resolve("/sub/planted.txt").unwrap();
         std::fs::remove_dir(dirs.root.join("sub")).unwrap();
         std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("sub")).unwrap();
-        let opened = open_beneath(&dirs.root, "/sub/planted.txt", Access::Write);
+        let opened = open_beneath(&Root::real(dirs.root.clone()), "/sub/planted.txt", Access::Write);
         assert!(matches!(opened, Err(OpenError::Outside)), "{opened:?}");
         assert!(!dirs.outside.join("planted.txt").exists(), "the write left the root");
     }
@@ -1645,14 +1725,14 @@ mod tests {
         std::fs::write(dirs.root.join("notes.txt"), "mine").unwrap();
         std::fs::write(dirs.outside.join("secret.txt"), "secret").unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         sandbox.resolve("/notes.txt").unwrap();
         std::fs::remove_file(dirs.root.join("notes.txt")).unwrap();
         std::os::unix::fs::symlink(dirs.outside.join("secret.txt"), dirs.root.join("notes.txt")).unwrap();
-        let read = open_beneath(&dirs.root, "/notes.txt", Access::Read);
+        let read = open_beneath(&Root::real(dirs.root.clone()), "/notes.txt", Access::Read);
         assert!(matches!(read, Err(OpenError::Outside)), "{read:?}");
-        let written = open_beneath(&dirs.root, "/notes.txt", Access::Write);
+        let written = open_beneath(&Root::real(dirs.root.clone()), "/notes.txt", Access::Write);
         assert!(matches!(written, Err(OpenError::Outside)), "{written:?}");
         assert_eq!(
             std::fs::read_to_string(dirs.outside.join("secret.txt")).unwrap(),
@@ -1670,12 +1750,15 @@ mod tests {
         std::os::unix::fs::symlink("../deep/f.txt", dirs.root.join("data/deep/up.txt")).unwrap();
         for path in ["/relative/f.txt", "/absolute/deep/f.txt", "/relative/up.txt"] {
             let mut text = String::new();
-            std::io::Read::read_to_string(&mut open_beneath(&dirs.root, path, Access::Read).unwrap(), &mut text)
-                .unwrap();
+            std::io::Read::read_to_string(
+                &mut open_beneath(&Root::real(dirs.root.clone()), path, Access::Read).unwrap(),
+                &mut text,
+            )
+            .unwrap();
             assert_eq!(text, "found", "{path}");
         }
         std::io::Write::write_all(
-            &mut open_beneath(&dirs.root, "/relative/new/made.txt", Access::Write).unwrap(),
+            &mut open_beneath(&Root::real(dirs.root.clone()), "/relative/new/made.txt", Access::Write).unwrap(),
             b"made",
         )
         .unwrap();
@@ -1685,7 +1768,7 @@ mod tests {
         );
         // A link climbing out of the root through `..` is refused like any other.
         std::os::unix::fs::symlink("../../outside", dirs.root.join("data/climb")).unwrap();
-        let climbed = open_beneath(&dirs.root, "/data/climb/x.txt", Access::Write);
+        let climbed = open_beneath(&Root::real(dirs.root.clone()), "/data/climb/x.txt", Access::Write);
         assert!(matches!(climbed, Err(OpenError::Outside)), "{climbed:?}");
     }
     #[test]
@@ -1695,12 +1778,12 @@ mod tests {
         std::fs::write(dirs.root.join("sub/victim.txt"), "mine").unwrap();
         std::fs::write(dirs.outside.join("victim.txt"), "theirs").unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         sandbox.resolve("/sub/victim.txt").unwrap();
         std::fs::remove_dir_all(dirs.root.join("sub")).unwrap();
         std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("sub")).unwrap();
-        let removed = remove_beneath(&dirs.root, "/sub/victim.txt");
+        let removed = remove_beneath(&Root::real(dirs.root.clone()), "/sub/victim.txt");
         assert!(matches!(removed, Err(OpenError::Outside)), "{removed:?}");
         assert!(dirs.outside.join("victim.txt").exists(), "the removal left the root");
     }
@@ -1712,7 +1795,7 @@ mod tests {
         std::fs::create_dir_all(dirs.root.join("sub/inner")).unwrap();
         std::fs::create_dir_all(dirs.outside.join("inner")).unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         sandbox.resolve("/sub/inner").unwrap();
         sandbox.resolve("/sub").unwrap();
@@ -1727,7 +1810,7 @@ mod tests {
         std::fs::write(dirs.outside.join("inner/secret.txt"), "secret").unwrap();
         // A directory on the way, and the listed directory itself.
         for path in ["/sub/inner", "/sub"] {
-            let listed = list_beneath(&dirs.root, path);
+            let listed = list_beneath(&Root::real(dirs.root.clone()), path);
             assert!(matches!(listed, Err(OpenError::Outside)), "{path}: {listed:?}");
         }
     }
@@ -1737,13 +1820,13 @@ mod tests {
         let dirs = swapped_after_the_check("swapped-cwd-open");
         // A directory on the way, and the cwd itself.
         for path in ["/sub/inner", "/sub"] {
-            let opened = open_dir_beneath(&dirs.root, path);
+            let opened = open_dir_beneath(&Root::real(dirs.root.clone()), path);
             assert!(matches!(opened, Err(OpenError::Outside)), "{path}: {opened:?}");
         }
         // A link that stays inside the root is followed to the directory it names.
         std::fs::create_dir_all(dirs.root.join("data/deep")).unwrap();
         std::os::unix::fs::symlink("data/deep", dirs.root.join("relative")).unwrap();
-        let opened = std::fs::File::from(open_dir_beneath(&dirs.root, "/relative").unwrap());
+        let opened = std::fs::File::from(open_dir_beneath(&Root::real(dirs.root.clone()), "/relative").unwrap());
         let (opened, deep) = (
             opened.metadata().unwrap(),
             std::fs::metadata(dirs.root.join("data/deep")).unwrap(),
@@ -1760,7 +1843,7 @@ mod tests {
         std::os::unix::fs::symlink("build/out.txt", dirs.root.join("latest")).unwrap();
         std::os::unix::fs::symlink(dirs.outside.join("gone.txt"), dirs.root.join("away")).unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let inside = sandbox.write_file("/latest", b"x".to_vec()).await.unwrap_err();
         assert!(
@@ -1778,7 +1861,7 @@ mod tests {
     async fn a_commands_home_is_the_users_not_the_working_directory() {
         let dirs = scratch("home");
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let ran = sandbox
             .exec(ExecRequest {
@@ -1801,7 +1884,7 @@ mod tests {
     async fn the_roots_host_path_names_the_root_in_the_file_operations() {
         let dirs = scratch("host-path");
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let host = dirs.root.display().to_string();
         sandbox
@@ -1861,7 +1944,7 @@ mod tests {
         std::os::unix::fs::symlink("data/deep", dirs.root.join("relative")).unwrap();
         std::os::unix::fs::symlink(dirs.root.join("data"), dirs.root.join("absolute")).unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let listed = sandbox.list_dir("/relative").await.unwrap();
         assert_eq!(
@@ -1933,7 +2016,7 @@ mod tests {
     async fn a_command_leads_a_session_of_its_own_without_the_runtimes_terminal() {
         let dirs = scratch("session");
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let ran = run(
             &sandbox,
@@ -1958,7 +2041,7 @@ mod tests {
     async fn a_command_a_signal_killed_says_which_signal() {
         let dirs = scratch("signalled");
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let ran = run(&sandbox, "/", "echo before; kill -SEGV $$").await.unwrap();
         assert_eq!(ran.exit_code, None);
@@ -1973,7 +2056,7 @@ mod tests {
     async fn a_command_that_ended_is_not_among_the_running_ones() {
         let dirs = scratch("ended");
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let ran = run(&sandbox, "/", "echo $$").await.unwrap();
         let pid: u32 = ran.stdout.trim().parse().unwrap();
@@ -1984,7 +2067,7 @@ mod tests {
     async fn an_abandoned_command_leaves_no_process_behind() {
         let dirs = scratch("abandoned");
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         // Dropping the call (an aborted turn) while the shell still runs, once its background
         // child has started (the marker is written after it).
@@ -2019,14 +2102,20 @@ mod tests {
         let dirs = scratch("swapped-cwd");
         std::fs::create_dir_all(dirs.root.join("sub")).unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         sandbox.resolve("/sub").unwrap();
         std::fs::remove_dir(dirs.root.join("sub")).unwrap();
         std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("sub")).unwrap();
         let mut command = tokio::process::Command::new("sh");
         command.args(["-c", "touch planted.txt"]);
-        let started = start_in(&mut command, dirs.root.clone(), "/sub".into(), "/sub".into()).await;
+        let started = start_in(
+            &mut command,
+            Root::real(dirs.root.clone()),
+            "/sub".into(),
+            "/sub".into(),
+        )
+        .await;
         assert_eq!(started, Err(SandboxError::OutsideRoot("/sub".into())));
         assert!(!dirs.outside.join("planted.txt").exists());
     }
@@ -2035,7 +2124,7 @@ mod tests {
     async fn commands_run_in_bash_where_it_is_installed() {
         let dirs = scratch("bashisms");
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let has_bash = std::process::Command::new("bash")
             .arg("-c")
@@ -2067,7 +2156,7 @@ mod tests {
         std::fs::create_dir_all(dirs.outside.join("inner")).unwrap();
         std::os::unix::fs::symlink(&dirs.outside, dirs.root.join("escape")).unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         for cwd in ["/escape", "/escape/inner"] {
             let ran = run(&sandbox, cwd, "touch planted.txt").await;
@@ -2084,7 +2173,7 @@ mod tests {
         std::os::unix::fs::symlink("data/deep", dirs.root.join("relative")).unwrap();
         std::os::unix::fs::symlink(dirs.root.join("data"), dirs.root.join("absolute")).unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let deep = dirs.root.join("data/deep").display().to_string();
         for (cwd, expected) in [
@@ -2122,7 +2211,7 @@ mod tests {
         let dirs = scratch("exec-fds");
         std::fs::create_dir_all(dirs.root.join("sub")).unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         // `exit 0`: a descriptor gone when read (the glob's own) fails `readlink`, no matter.
         let output = run(
@@ -2158,7 +2247,9 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn the_kernels_files_are_not_opened_by_the_file_tools() {
-        let sandbox = LocalSandbox { root: "/".into() };
+        let sandbox = LocalSandbox {
+            root: Root::real("/".into()),
+        };
         for path in ["/proc/self/environ", "/proc/self/cmdline", "/sys/kernel/hostname"] {
             if !Path::new(path).exists() {
                 continue;
@@ -2189,7 +2280,7 @@ mod tests {
         let store = crate::store::SqliteStore::open(dirs.root.join(".flue/flue.db")).unwrap();
         std::os::unix::fs::symlink(".flue/flue.db", dirs.root.join("db-link")).unwrap();
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         for path in ["/.flue/flue.db", ".flue/flue.db-wal", "db-link"] {
             assert_eq!(
@@ -2216,7 +2307,7 @@ mod tests {
         let dirs = scratch("fifo");
         fifo(&dirs.root.join("pipe"));
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let read = tokio::time::timeout(Duration::from_secs(5), sandbox.read_file("pipe")).await;
         if read.is_err() {
@@ -2255,7 +2346,7 @@ mod tests {
         let pipe = dirs.root.join("pipe");
         fifo(&pipe);
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let (opened, writer_opened) = std::sync::mpsc::channel();
         let writer = std::thread::spawn({
@@ -2284,7 +2375,7 @@ mod tests {
     async fn a_path_too_long_or_too_deep_is_refused() {
         let dirs = scratch("deep");
         let sandbox = LocalSandbox {
-            root: dirs.root.clone(),
+            root: Root::real(dirs.root.clone()),
         };
         let expected = SandboxError::Io("a path may be at most 4096 bytes and 256 components long".into());
         let deep = format!("{}f", "a/".repeat(300));

@@ -21,7 +21,8 @@
 //!   process group). Run untrusted models as a user of their own, or in a
 //!   container. The file tools' paths are sandbox paths — `/` is the root — and a path that
 //!   leaves the root is refused; the root's own host path (which commands see: they start in
-//!   it) names the root too, so a path a command printed names the same file.
+//!   it) names the root too, as does the path it was configured with when a link leads to it
+//!   (macOS's `/tmp`), so a path a command printed names the same file.
 //! - The factory runs once per submission (when the render first attaches the sandbox); the
 //!   working directory (`SandboxOptions::cwd`, default `/`) is submission-scoped, and the
 //!   tools' relative paths start there. Presence is re-read at every turn boundary: a render
