@@ -147,6 +147,9 @@ pub(crate) struct Conversation {
     /// Whether rows were deleted: the history may hold calls without results (or the other
     /// way round), which `model_messages` then drops.
     edited: bool,
+    /// The open step's row was deleted (a tool deleting it): the batch's results, not in the
+    /// history until it closes, will have no call, whatever later deletions find.
+    step_deleted: bool,
     /// The model specifier every step's reasoning in `messages` is fitted to (see
     /// [`Conversation::fit_reasoning_to`]); `None` until a fit, and again once a step of
     /// another model with reasoning is folded.
@@ -912,7 +915,8 @@ impl Conversation {
                     // Only a deletion that left a call or a result unpaired makes requests drop
                     // orphans (a copy of the history each): most (a user's row, an injected
                     // note) leave the history shared.
-                    self.edited = open_step || self.has_orphans();
+                    self.step_deleted |= open_step;
+                    self.edited = self.step_deleted || self.has_orphans();
                 }
             }
             RecordBody::ThreadValueSet { key, value } => {
@@ -980,7 +984,7 @@ impl Conversation {
                     self.recount_weight();
                     // The orphans an earlier deletion left may be summarized away.
                     if self.edited {
-                        self.edited = self.has_orphans();
+                        self.edited = self.step_deleted || self.has_orphans();
                     }
                 }
             }
@@ -1094,6 +1098,10 @@ impl Conversation {
     /// outcome-unknown result stamped `created`. Their steps will not be replayed, their
     /// children not reattached (once a call without an outcome has been named its).
     fn close_batch(&mut self, created: Arc<str>) {
+        // Results of a step whose row was deleted: they go in without their call.
+        if std::mem::take(&mut self.step_deleted) {
+            self.edited = true;
+        }
         self.tool_steps.clear();
         let outcomes = std::mem::take(&mut self.outcomes);
         for call in std::mem::take(&mut self.open_calls) {
@@ -3017,10 +3025,14 @@ mod tests {
             offset: 1,
             records: records.into_iter().map(record).collect(),
         });
-        // The tool deletes its own step's row; then its batch commits.
+        // The tool deletes its own step's row, then another (a chat cleared newest first);
+        // then its batch commits.
         let batch = [
             RecordBody::MessageDeleted {
                 message_id: "step-1".into(),
+            },
+            RecordBody::MessageDeleted {
+                message_id: "user-1".into(),
             },
             RecordBody::ToolOutcome {
                 output: None,
