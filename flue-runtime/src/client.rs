@@ -664,6 +664,12 @@ impl Instance {
                 "the server answered {status} without a receipt (submissionId and offset): the message may not have been admitted; is the client's base URL a flue server's?"
             )));
         }
+        // Followed from, and copied into every chunk's resume point: an offset, nothing longer.
+        if !is_stream_offset(&text("offset")) {
+            return Err(ClientError::Protocol(
+                "the server's receipt carries no stream offset: the message may have been admitted; read its reply with the submission id".into(),
+            ));
+        }
         Ok(Receipt {
             submission_id: text("submissionId"),
             offset: text("offset"),
@@ -745,9 +751,9 @@ impl Instance {
                 return result;
             }
         }
-        let Some(offset) = snapshot["offset"].as_str() else {
+        let Some(offset) = snapshot["offset"].as_str().filter(|offset| is_stream_offset(offset)) else {
             return Err(ClientError::Protocol(
-                "the history snapshot has no offset: is the client's base URL a flue server's?".into(),
+                "the history snapshot has no stream offset: is the client's base URL a flue server's?".into(),
             ));
         };
         self.reply_from(receipt, offset, replies, true)
@@ -1740,6 +1746,27 @@ mod tests {
             .unwrap_err();
         assert!(
             matches!(&error, ClientError::Protocol(text) if text.contains("without a receipt")),
+            "{error:?}"
+        );
+        // A receipt whose offset is no stream offset (a follow would copy it into every chunk).
+        let body = format!(
+            r#"{{"submissionId":"s","offset":"{}","uid":"u"}}"#,
+            "1".repeat(64 * 1024)
+        );
+        let huge = answering(String::leak(format!(
+            "HTTP/1.1 202 Accepted\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+             connection: close\r\n\r\n{body}",
+            body.len()
+        )))
+        .await;
+        let error = Client::new(huge)
+            .unwrap()
+            .instance("assistant", "i")
+            .send("hi")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&error, ClientError::Protocol(text) if text.contains("no stream offset")),
             "{error:?}"
         );
     }
