@@ -70,6 +70,8 @@
 //!   error bodies whole: an application with a `tracing` subscriber of its own turns that
 //!   target off, as [`cli::log_to_stderr`](crate::cli::log_to_stderr) does.
 
+use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
@@ -80,7 +82,10 @@ use flue_core::{BoxFuture, Tool};
 use rmcp::model::{CallToolRequestParams, ContentBlock, PaginatedRequestParams, ResourceContents};
 use rmcp::service::RunningService;
 use rmcp::transport::StreamableHttpClientTransport;
-use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::streamable_http_client::{
+    StreamableHttpClient, StreamableHttpClientTransportConfig, StreamableHttpError, StreamableHttpPostResponse,
+    StreamableHttpResponseLimits,
+};
 use rmcp::{RoleClient, ServiceExt};
 use serde_json::Value;
 
@@ -308,7 +313,7 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
         config.custom_headers.insert(name, value);
     }
     let timeout = connection.timeout.unwrap_or(DEFAULT_TIMEOUT);
-    let transport = StreamableHttpClientTransport::from_config(config);
+    let transport = StreamableHttpClientTransport::with_client(Answered::new(), config);
     let client = tokio::time::timeout(timeout, ().serve(transport))
         .await
         .map_err(|_| unavailable(format!("no answer within {} s", timeout.as_secs())))?
@@ -323,6 +328,137 @@ pub(crate) async fn connect(connection: &McpConnection) -> Result<McpSession, Un
     let listed = list_for(connection, &client).await.map_err(Listing::into_unavailable)?;
     mount(connection, Arc::new(client), listed)
 }
+
+/// rmcp's reqwest client, with an error reply that answers no request (its `id` absent or
+/// null) made the POST's failure. rmcp drops such a reply, and the request it answered waited
+/// out its timeout (a minute by default), where servers send one at once: the TypeScript SDK's
+/// example answers a session it does not know (after a restart) with a 400 and `"id": null`,
+/// and catch-all handlers answer a 500 so. The listing then fails at once (and connects afresh),
+/// and a call ends with the server's message.
+#[derive(Clone)]
+struct Answered(reqwest_mcp::Client);
+
+type PostResult = Result<StreamableHttpPostResponse, StreamableHttpError<reqwest_mcp::Error>>;
+
+impl Answered {
+    /// As rmcp's own client: no idle connections kept (a response body not read to its end
+    /// stalls the next request on a kept one), and redirects followed only within the origin,
+    /// and only as 307 or 308 (which keep the method and body; a cross-origin one would send
+    /// the session id and headers elsewhere).
+    fn new() -> Self {
+        let policy = reqwest_mcp::redirect::Policy::custom(|attempt| {
+            let same_origin = attempt
+                .previous()
+                .first()
+                .is_some_and(|first| first.origin() == attempt.url().origin());
+            if attempt.previous().len() > 10 || !same_origin || !matches!(attempt.status().as_u16(), 307 | 308) {
+                attempt.stop()
+            } else {
+                attempt.follow()
+            }
+        });
+        let client = reqwest_mcp::Client::builder()
+            .pool_max_idle_per_host(0)
+            .redirect(policy)
+            .build()
+            .unwrap_or_default();
+        Self(client)
+    }
+
+    fn answered(posted: PostResult) -> PostResult {
+        match posted {
+            Ok(StreamableHttpPostResponse::Json(
+                rmcp::model::ServerJsonRpcMessage::Error(rmcp::model::JsonRpcError { id: None, error, .. }),
+                _,
+            )) => Err(StreamableHttpError::UnexpectedServerResponse(
+                format!("an error that answers no request: {}", error.message).into(),
+            )),
+            posted => posted,
+        }
+    }
+}
+
+impl StreamableHttpClient for Answered {
+    type Error = reqwest_mcp::Error;
+
+    fn post_message(
+        &self,
+        uri: Arc<str>,
+        message: rmcp::model::ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
+    ) -> impl Future<Output = PostResult> + Send + '_ {
+        let posted = self
+            .0
+            .post_message(uri, message, session_id, auth_header, custom_headers);
+        async move { Self::answered(posted.await) }
+    }
+
+    fn post_message_with_response_limits(
+        &self,
+        uri: Arc<str>,
+        message: rmcp::model::ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
+        limits: StreamableHttpResponseLimits,
+    ) -> impl Future<Output = PostResult> + Send + '_ {
+        let posted =
+            self.0
+                .post_message_with_response_limits(uri, message, session_id, auth_header, custom_headers, limits);
+        async move { Self::answered(posted.await) }
+    }
+
+    fn delete_session(
+        &self,
+        uri: Arc<str>,
+        session_id: Arc<str>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
+    ) -> impl Future<Output = Result<(), StreamableHttpError<reqwest_mcp::Error>>> + Send + '_ {
+        self.0.delete_session(uri, session_id, auth_header, custom_headers)
+    }
+
+    fn get_stream(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
+    ) -> impl Future<Output = SseStreamResult> + Send + '_ {
+        self.0
+            .get_stream(uri, session_id, last_event_id, auth_header, custom_headers)
+    }
+
+    fn get_stream_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
+        max_sse_event_size: usize,
+    ) -> impl Future<Output = SseStreamResult> + Send + '_ {
+        self.0.get_stream_with_max_sse_event_size(
+            uri,
+            session_id,
+            last_event_id,
+            auth_header,
+            custom_headers,
+            max_sse_event_size,
+        )
+    }
+}
+
+type SseStreamResult = Result<
+    futures_util::stream::BoxStream<
+        'static,
+        Result<sse_stream::Sse, rmcp::transport::streamable_http_client::SseError>,
+    >,
+    StreamableHttpError<reqwest_mcp::Error>,
+>;
 
 /// What `connection`'s server is unavailable for, said without its credentials, its URL's
 /// secrets or its path.

@@ -1352,6 +1352,85 @@ async fn a_kept_connection_to_a_server_that_went_away_is_not_reused() {
     assert!(told, "{:?}", requests[1].messages);
 }
 
+static REDEPLOYED_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn redeployed() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(
+        McpConnection::new("counting", REDEPLOYED_URL.get().unwrap().clone())
+            .timeout(std::time::Duration::from_secs(5)),
+    );
+    "Ping."
+}
+
+/// A kept session that a redeployed server no longer knows, and answers with an error for no
+/// request (a 400 with `"id": null`, as the MCP TypeScript SDK's example does), is connected
+/// afresh at once. (Regression: rmcp dropped that answer, the relisting waited out the
+/// connection's timeout, and the message failed.)
+#[tokio::test]
+async fn a_kept_session_the_server_forgot_is_connected_afresh_at_once() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    static FORGOT: AtomicBool = AtomicBool::new(false);
+    static KNOWN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let sessions = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handler = Pinging {
+        sessions: sessions.clone(),
+        together: None,
+    };
+    let service: StreamableHttpService<Pinging, LocalSessionManager> = StreamableHttpService::new(
+        move || Ok(handler.clone()),
+        Default::default(),
+        StreamableHttpServerConfig::default(),
+    );
+    // Until the redeploy, the sessions it sees; after, it answers them as unknown.
+    let forgetful = axum::middleware::from_fn(
+        |request: axum::extract::Request, next: axum::middleware::Next| async move {
+            let session = request
+                .headers()
+                .get("mcp-session-id")
+                .and_then(|id| id.to_str().ok())
+                .map(str::to_owned);
+            if let Some(session) = session {
+                let mut known = KNOWN.lock().unwrap();
+                if !FORGOT.load(SeqCst) {
+                    known.push(session);
+                } else if known.contains(&session) {
+                    let body = json!({
+                        "jsonrpc": "2.0",
+                        "error": {"code": -32000, "message": "Bad Request: No valid session ID provided"},
+                        "id": null
+                    });
+                    return axum::response::IntoResponse::into_response((StatusCode::BAD_REQUEST, axum::Json(body)));
+                }
+            }
+            next.run(request).await
+        },
+    );
+    let router = axum::Router::new().nest_service("/mcp", service).layer(forgetful);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let _ = REDEPLOYED_URL.set(format!("http://{address}/mcp"));
+    let model = ScriptedModel::new([ScriptedReply::text("one"), ScriptedReply::text("two")]);
+    let runtime = runtime_with(&model, [redeployed.into()]);
+    let handle = runtime.init(&redeployed, "r");
+    handle.send("one").await.unwrap();
+    assert_eq!(sessions.load(SeqCst), 1);
+    FORGOT.store(true, SeqCst);
+    handle.send("two").await.unwrap();
+    assert_eq!(sessions.load(SeqCst), 2, "connected afresh");
+    let requests = model.requests();
+    assert!(
+        requests[1]
+            .tools
+            .iter()
+            .any(|tool| tool.name.starts_with("mcp__counting")),
+        "{:?}",
+        requests[1].tools
+    );
+}
+
 /// A server whose tool list the test changes between messages.
 #[derive(Clone, Default)]
 struct Changing {
