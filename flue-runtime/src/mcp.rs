@@ -1169,18 +1169,34 @@ fn without_server_path(text: &str, url: &str) -> String {
     }
 }
 
-/// An rmcp error as a person reads it: without the transport's Rust type names.
+/// An rmcp error as a person reads it: without the transport's Rust type names (a bracketed
+/// run that holds a path, `[rmcp::…<…>]`). Other brackets are the server's own words (a JSON
+/// body quoted, `{"detail":[…]}`), kept.
 fn readable(error: &str) -> String {
     let mut out = String::with_capacity(error.len());
-    let mut depth = 0usize;
-    for c in error.chars() {
-        match c {
-            '[' => depth += 1,
-            ']' if depth > 0 => depth -= 1,
-            c if depth == 0 => out.push(c),
-            _ => {}
+    let mut rest = error;
+    while let Some(open) = rest.find('[') {
+        out.push_str(&rest[..open]);
+        let from = &rest[open..];
+        // The run's end, nesting counted (a type name is short: looked for so far only).
+        let mut depth = 0usize;
+        let close = from.char_indices().take(512).find_map(|(at, c)| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                _ => {}
+            }
+            (depth == 0).then_some(at)
+        });
+        match close {
+            Some(close) if from[..close].contains("::") => rest = &from[close + 1..],
+            _ => {
+                out.push('[');
+                rest = &from[1..];
+            }
         }
     }
+    out.push_str(rest);
     out.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
@@ -1459,6 +1475,12 @@ mod tests {
         assert_eq!(
             readable("Send message error Transport [a::B<c::D>] error: Client error: refused"),
             "Send message error Transport error: Client error: refused"
+        );
+        // The server's own words keep their brackets, a lone one included.
+        let quoted = r#"Transport [rmcp::T<reqwest::Client>] error: HTTP 422: {"detail":[{"loc":["header","x-api-key"]}]} [see"#;
+        assert_eq!(
+            readable(quoted),
+            r#"Transport error: HTTP 422: {"detail":[{"loc":["header","x-api-key"]}]} [see"#
         );
     }
 
