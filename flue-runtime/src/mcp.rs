@@ -1477,7 +1477,8 @@ mod tests {
             "Send message error Transport error: Client error: refused"
         );
         // The server's own words keep their brackets, a lone one included.
-        let quoted = r#"Transport [rmcp::T<reqwest::Client>] error: HTTP 422: {"detail":[{"loc":["header","x-api-key"]}]} [see"#;
+        let quoted =
+            r#"Transport [rmcp::T<reqwest::Client>] error: HTTP 422: {"detail":[{"loc":["header","x-api-key"]}]} [see"#;
         assert_eq!(
             readable(quoted),
             r#"Transport error: HTTP 422: {"detail":[{"loc":["header","x-api-key"]}]} [see"#

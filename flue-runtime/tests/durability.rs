@@ -192,6 +192,58 @@ async fn jot(ctx: &ToolContext) -> Result<String, ToolError> {
 /// Lets `held_one` end.
 static HELD_ONE_GO: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
+/// The next store read fails once this is armed (the test's store's `failing_reads`).
+static FAIL_NEXT_READ: std::sync::OnceLock<Arc<AtomicUsize>> = std::sync::OnceLock::new();
+static JOTTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Injects a row with the store's next read failing: the one that reads the stored row back.
+#[tool]
+async fn jot_past_a_failed_read(ctx: &ToolContext) -> String {
+    let thread = ctx.thread().expect("a thread");
+    FAIL_NEXT_READ.get().expect("armed").store(1, Ordering::SeqCst);
+    let injected = thread
+        .inject_message(flue_runtime::lifecycle::InjectMessage::new(
+            flue_runtime::lifecycle::MessageRole::User,
+            "remember the eggs",
+        ))
+        .await;
+    JOTTED.lock().unwrap().push(match &injected {
+        Ok(row) => format!("injected {}", row.content.as_deref().unwrap_or_default()),
+        Err(error) => format!("failed: {error}"),
+    });
+    "jotted".into()
+}
+
+#[agent]
+fn careful_scribe() -> &'static str {
+    use_model("scripted/x");
+    use_tool(jot_past_a_failed_read);
+    "You take notes."
+}
+
+/// An injected row is stored once its append commits: a failed read of it back afterwards
+/// does not fail the call (a caller trying again would store it twice); the row as written
+/// stands in. (Regression: the call failed with the store's error.)
+#[tokio::test]
+async fn an_inject_whose_read_back_fails_after_its_append_still_answers_the_row() {
+    let store = FaultyStore::default();
+    let _ = FAIL_NEXT_READ.set(store.failing_reads.clone());
+    let model = ScriptedModel::new([
+        ScriptedReply::tool_call("jot_past_a_failed_read", json!({})),
+        ScriptedReply::text("noted"),
+    ]);
+    let runtime = runtime(&store, &model, careful_scribe);
+    runtime.init(&careful_scribe, "c").send("note the eggs").await.unwrap();
+    assert_eq!(store.failures.load(Ordering::SeqCst), 1, "the read back failed");
+    assert_eq!(JOTTED.lock().unwrap().clone(), ["injected remember the eggs"]);
+    let injected = records(&store, &InstanceKey::new("careful_scribe", "c"))
+        .await
+        .into_iter()
+        .filter(|record| matches!(record.body, RecordBody::MessageInjected { .. }))
+        .count();
+    assert_eq!(injected, 1);
+}
+
 /// Ends once the test lets it (`HELD_ONE_GO`).
 #[tool]
 async fn held_one() -> String {

@@ -590,11 +590,15 @@ impl ThreadStateApi for RuntimeThread {
             }
             self.append(records).await?;
             // The row as stored (what a hook changed that an injected row cannot be, a tool
-            // role, its status, is not), for the hooks after it and the caller.
+            // role, its status, is not), for the hooks after it and the caller. The row is
+            // stored: a failed read back of it is no failure of the call (one the caller tried
+            // again would store it twice), and the row as written stands in.
             let row = self
                 .writer
                 .with_fold(|conversation| conversation.find_row(&row.id))
-                .await?
+                .await
+                .ok()
+                .flatten()
                 .unwrap_or(row);
             chain::after_create_message(&hooks, &state, &row).await;
             Ok(row)
@@ -609,10 +613,8 @@ impl ThreadStateApi for RuntimeThread {
         Box::pin(async move {
             self.writer.check_open("update_message")?;
             check_updates(&updates)?;
-            let stored = self
-                .writer
-                .with_fold(|conversation| conversation.find_row(id).is_some())
-                .await?;
+            let before = self.writer.with_fold(|conversation| conversation.find_row(id)).await?;
+            let stored = before.is_some();
             // The running step's row (shown by the reads) takes updates too: they are stored
             // with its step.
             if !stored && self.writer.pending_row_with_id(id).is_none() {
@@ -630,14 +632,20 @@ impl ThreadStateApi for RuntimeThread {
             }
             self.append(vec![self.writer.record(RecordBody::MessageUpdated {
                 message_id: id.to_owned(),
-                updates,
+                updates: updates.clone(),
             })])
             .await?;
-            let row = self
-                .writer
-                .with_fold(|conversation| conversation.find_row(id))
-                .await?
-                .ok_or_else(|| ThreadError::MessageNotFound(id.to_owned()))?;
+            // As stored; the update is stored, so a failed read back of it stands in the row as
+            // read before with the updates applied (as `inject_message`).
+            let row = match self.writer.with_fold(|conversation| conversation.find_row(id)).await {
+                Ok(Some(row)) => row,
+                Ok(None) => return Err(ThreadError::MessageNotFound(id.to_owned())),
+                Err(_) => {
+                    let mut row = before.ok_or_else(|| ThreadError::MessageNotFound(id.to_owned()))?;
+                    apply_updates(&mut row, updates);
+                    row
+                }
+            };
             chain::after_update_message(&hooks, &state, &row).await;
             Ok(row)
         })
