@@ -795,6 +795,47 @@ async fn the_running_steps_row_takes_updates_stored_with_its_step() {
     );
 }
 
+static DELETIONS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Tries to delete the running step's row as soon as it exists.
+#[hook(after_create_message)]
+async fn delete_assistant_rows(state: &ThreadState, message: &Message) -> Result<(), HookError> {
+    if message.role != MessageRole::Assistant {
+        return Ok(());
+    }
+    let exists = state.get_message(&message.id).await.unwrap().is_some();
+    let deleted = state.delete_message(&message.id).await;
+    DELETIONS
+        .lock()
+        .unwrap()
+        .push(format!("read: {exists}, deleted: {deleted:?}"));
+    Ok(())
+}
+
+#[agent(hooks = [delete_assistant_rows])]
+fn eraser() -> &'static str {
+    use_model("scripted/x");
+    "E"
+}
+
+/// The running step's row, which the reads show, is refused by `delete_message` with a reason
+/// rather than answered as a row that does not exist; the step is stored as it answers.
+/// (Regression: the call said `false`, "no such row", for a row the hook had just read.)
+#[tokio::test]
+async fn deleting_the_running_steps_row_is_refused_with_a_reason() {
+    let model = ScriptedModel::new([ScriptedReply::text("kept")]);
+    let runtime = runtime_with(&model, vec![eraser.into()]);
+    let reply = runtime.init(&eraser, "e-1").send("hi").await.unwrap();
+    assert_eq!(reply.text, "kept");
+    let deletions = DELETIONS.lock().unwrap().clone();
+    assert_eq!(deletions.len(), 1, "{deletions:?}");
+    assert!(
+        deletions[0].starts_with("read: true, deleted: Err(Unavailable(")
+            && deletions[0].contains("can be deleted once its step is stored"),
+        "{deletions:?}"
+    );
+}
+
 static PENDING_LOG: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 /// Reads the thread from inside the assistant row's hooks: the row is there, as stored.

@@ -455,7 +455,9 @@ impl ThreadState {
         self.api.update_message(id, updates).await
     }
 
-    /// Deletes the row `id` from the history; `false` when there is none.
+    /// Deletes the row `id` from the history; `false` when there is none. The running step's
+    /// row (which the reads show while the model answers) is refused
+    /// ([`ThreadError::Unavailable`]) until its step is stored.
     pub async fn delete_message(&self, id: &str) -> Result<bool, ThreadError> {
         self.api.delete_message(id).await
     }

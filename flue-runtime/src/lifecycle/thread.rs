@@ -659,6 +659,13 @@ impl ThreadStateApi for RuntimeThread {
                 .with_fold(|conversation| conversation.find_row(id).is_some())
                 .await?
             {
+                // The running step's row, which the reads show: not stored yet, so not
+                // deleted either, and said so (it exists).
+                if self.writer.pending_row_with_id(id).is_some() {
+                    return Err(ThreadError::Unavailable(format!(
+                        "The running step's row \"{id}\" can be deleted once its step is stored (from after_create_message, or a later turn)."
+                    )));
+                }
                 return Ok(false);
             }
             self.append(vec![self.writer.record(RecordBody::MessageDeleted {
