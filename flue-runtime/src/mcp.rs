@@ -1046,11 +1046,23 @@ fn credentials(connection: &McpConnection) -> Arc<[String]> {
             .iter()
             .any(|credential| name.eq_ignore_ascii_case(credential))
     };
-    for (_, value) in connection.headers.iter().filter(|(name, value)| {
+    for (name, value) in connection.headers.iter().filter(|(name, value)| {
         carries_credential(name, value)
             && (always(name) || value.len() >= MIN_CREDENTIAL_WORD_BYTES || carries_credential("", value))
     }) {
         credentials.push(value.clone());
+        if name.eq_ignore_ascii_case("cookie") {
+            // `a=<value>; theme=dark`: each cookie's value, as a server may quote it bare (a
+            // short one, `theme`'s `dark`, is data).
+            credentials.extend(
+                value
+                    .split(';')
+                    .filter_map(|pair| pair.split_once('=').map(|(_, value)| value.trim()))
+                    .filter(|value| value.len() >= MIN_CREDENTIAL_WORD_BYTES || carries_credential("", value))
+                    .map(str::to_owned),
+            );
+            continue;
+        }
         credentials.extend(
             value
                 .split_whitespace()
@@ -1494,7 +1506,7 @@ mod tests {
             ("Notion-Version", "2022-06-28"),
             ("X-Env", "prod"),
             ("X-Api-Key", "abc12345"),
-            ("Cookie", "sid=s3cr3t-cookie-value"),
+            ("Cookie", "sid=s3cr3t-cookie-value; theme=dark"),
             ("X-Tenant", "tnt_4f9c2a7b1e8d6c3f"),
             // Named like credentials, valued like data: kept (`true` is not cut out of results).
             ("X-Bypass-Cache", "true"),
@@ -1506,7 +1518,13 @@ mod tests {
         let text = "On 2022-06-28 the prod products of tnt_4f9c2a7b1e8d6c3f used abc12345 and sid=s3cr3t-cookie-value; already read: true.";
         assert_eq!(
             without_credentials(text, &credentials),
-            "On 2022-06-28 the prod products of [redacted] used [redacted] and [redacted]; already read: true."
+            "On 2022-06-28 the prod products of [redacted] used [redacted] and sid=[redacted]; already read: true."
+        );
+        // A cookie's value quoted bare (a session the server says expired); its short data kept.
+        let text = "session s3cr3t-cookie-value expired; theme=dark stays";
+        assert_eq!(
+            without_credentials(text, &credentials),
+            "session [redacted] expired; theme=dark stays"
         );
     }
 
