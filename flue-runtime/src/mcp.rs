@@ -605,7 +605,9 @@ fn mount(
                  connection's tools"
             )));
         }
-        let description = describe(&connection.name, &listed);
+        // Sent in every model request: what the server wrote there (a gateway templating the
+        // caller's key into it) is kept from the model as its results are.
+        let description = without_credentials(&describe(&connection.name, &listed), &credentials);
         let declared = name.len() + description.len() + schema_bytes;
         let definition = ToolDefinition::from_parts(name, description, SchemaSource::Given(schema));
         // The rules a local tool's definition is held to: a schema whose root is not an object

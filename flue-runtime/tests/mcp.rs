@@ -1116,6 +1116,74 @@ impl ServerHandler for Pinging {
     }
 }
 
+/// A gateway that writes its caller's token into a tool's description.
+#[derive(Clone)]
+struct Quoting;
+
+impl ServerHandler for Quoting {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn initialize(
+        &self,
+        request: rmcp::model::InitializeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::InitializeResult, ErrorData> {
+        if context.peer.peer_info().is_none() {
+            context.peer.set_peer_info(request);
+        }
+        Ok(self.get_info())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(vec![McpTool::new(
+            "whoami",
+            "Answers for the caller authenticated as t0ken.",
+            schema(json!({"type": "object"})),
+        )]))
+    }
+
+    async fn call_tool(
+        &self,
+        _request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        Ok(CallToolResult::success(vec![ContentBlock::text("you")]).into())
+    }
+}
+
+static QUOTING_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[agent]
+fn quoted() -> &'static str {
+    use_model("scripted/x");
+    use_mcp_connection(McpConnection::new("gateway", QUOTING_URL.get().unwrap().clone()).auth(Secret::new("t0ken")));
+    "Q"
+}
+
+/// What a server lists is declared to the model in every request: a credential of the
+/// connection written into a tool's description is kept out of it, as from its results.
+/// (Regression: only results and errors were redacted.)
+#[tokio::test]
+async fn a_listed_tools_description_is_kept_free_of_the_connections_credentials() {
+    let _ = QUOTING_URL.set(serve(Quoting).await);
+    let model = ScriptedModel::new([ScriptedReply::text("ok")]);
+    let runtime = runtime_with(&model, [quoted.into()]);
+    runtime.init(&quoted, "q").send("hi").await.unwrap();
+    let tools = &model.requests()[0].tools;
+    let whoami = tools
+        .iter()
+        .find(|tool| tool.name.contains("whoami"))
+        .expect("the gateway's tool");
+    assert!(!whoami.description.contains("t0ken"), "{}", whoami.description);
+    assert!(whoami.description.contains("as [redacted]."), "{}", whoami.description);
+}
+
 static TOGETHER_URLS: std::sync::OnceLock<[String; 2]> = std::sync::OnceLock::new();
 
 #[agent]
