@@ -903,8 +903,9 @@ struct Follow {
     /// came (at or before its batch: where a later session reads it from again).
     ready: VecDeque<(Value, (u64, u64), String)>,
     /// Consecutive failed connections (the backoff grows with them). A connection that
-    /// brings something new (a chunk, a later offset) or stays up for [`Follow::stable`]
-    /// starts the count again; one that only says hello and drops does not.
+    /// brings something new (a chunk, a later offset) or carries bytes (heartbeats) for
+    /// [`Follow::stable`] starts the count again; one that only says hello and drops, or
+    /// stays open silent until it is cut, does not.
     failures: u32,
     /// When the current connection was made.
     connected_at: Option<tokio::time::Instant>,
@@ -1021,10 +1022,17 @@ impl Follow {
 
     fn reconnect(&mut self, error: ClientError) {
         self.body = None;
-        // A connection that stayed up a while was not a failure to connect: the count starts
-        // again (a proxy that cuts long connections now and then ends nothing).
+        // A connection that carried the server's heartbeats a while was not a failure to
+        // connect: the count starts again (a proxy that cuts long connections now and then
+        // ends nothing). One that only stayed open, silent, was (a proxy that holds the body
+        // back and cuts it would otherwise be reconnected to forever).
         let stable = self.stable();
-        if self.connected_at.take().is_some_and(|at| at.elapsed() >= stable) {
+        let worked = self
+            .connected_at
+            .take()
+            .zip(self.heard_at)
+            .is_some_and(|(connected, heard)| heard.duration_since(connected) >= stable);
+        if worked {
             self.failures = 0;
         }
         self.parser = SseParser::new(self.instance.client.max_event_bytes);
@@ -1818,6 +1826,43 @@ mod tests {
         let items: Vec<_> = client.instance("assistant", "i").follow("-1").collect().await;
         assert!(
             matches!(items.as_slice(), [Err(ClientError::Transport(message))] if message.contains("silent")),
+            "{items:?}"
+        );
+    }
+
+    /// A connection that stays open silent after its checkpoint until the peer cuts it (a
+    /// buffering proxy that holds the body back), however long it stayed, counts as failed:
+    /// the stream ends at its limit rather than reconnecting forever.
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_cut_after_a_long_silence_ends_after_its_reconnect_limit() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut request = [0u8; 4096];
+                    let _ = socket.read(&mut request).await;
+                    let _ = socket
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n\
+                              event: data\ndata:[{\"type\":\"stream-checkpoint\",\"incarnation\":\"a\"}]\n\n",
+                        )
+                        .await;
+                    // Silent past the stable time, within the idle timeout; then cut.
+                    tokio::time::sleep(Duration::from_secs(40)).await;
+                });
+            }
+        });
+        let client = Client::new(base).unwrap().with_reconnect_limit(3);
+        let items = tokio::time::timeout(
+            Duration::from_secs(3600),
+            client.instance("assistant", "i").follow("-1").collect::<Vec<_>>(),
+        )
+        .await
+        .expect("the stream ends");
+        assert!(
+            matches!(items.as_slice(), [Err(ClientError::Transport(_))]),
             "{items:?}"
         );
     }
