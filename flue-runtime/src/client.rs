@@ -107,9 +107,10 @@ pub enum ClientError {
     InvalidRequest(String),
     /// The server answered something that is not the protocol: a redirect (the client does
     /// not follow them), an admission without a receipt, a refusal below 500 without the
-    /// error envelope, a followed stream's success that is not an event stream, or an event
-    /// the client cannot read (larger than [`Client::with_max_event_bytes`], or whose data is
-    /// not JSON). Asking again would meet the same, so this error also ends a
+    /// error envelope, a success that is not JSON, an answer larger than
+    /// [`Client::with_max_body_bytes`], a followed stream's success that is not an event
+    /// stream, or an event the client cannot read (larger than [`Client::with_max_event_bytes`],
+    /// or whose data is not JSON). Asking again would meet the same, so this error also ends a
     /// followed stream rather than a reconnection.
     #[error("{0}")]
     Protocol(String),
@@ -397,8 +398,10 @@ async fn json_of(response: reqwest::Response, limit: usize) -> Result<Value, Cli
                 reference: header_reference,
             });
         }
+        // A whole body (a cut one fails as the transport's) that is no JSON: the same when
+        // asked again.
         Err(error) => {
-            return Err(ClientError::Transport(format!(
+            return Err(ClientError::Protocol(format!(
                 "the server answered {status} with no JSON: {error}"
             )));
         }
@@ -451,8 +454,9 @@ fn redirected(response: &reqwest::Response) -> ClientError {
 /// The whole body of `response`, refused once it passes `limit` bytes (declared or read).
 async fn body_within(mut response: reqwest::Response, limit: usize) -> Result<Vec<u8>, ClientError> {
     let status = response.status().as_u16();
+    // The same answer, asked again: not retried (see `answer_lost`).
     let too_large = || {
-        ClientError::Transport(format!(
+        ClientError::Protocol(format!(
             "the server answered {status} with a body larger than the client's bound of {limit} bytes"
         ))
     };
@@ -2225,6 +2229,30 @@ mod tests {
         (base, received)
     }
 
+    /// An answer that will be the same when asked again (past the body bound, or a success
+    /// that is not JSON) is not asked for again: an admission is posted once, not three times.
+    #[tokio::test]
+    async fn an_answer_that_would_be_the_same_again_is_not_asked_for_again() {
+        const NOT_JSON: &str = "HTTP/1.1 202 Accepted\r\ncontent-type: text/html\r\ncontent-length: 9\r\n\
+             connection: close\r\n\r\n<html/>..";
+        let (base, mut lines) = recording(NOT_JSON).await;
+        let error = Client::new(&base)
+            .unwrap()
+            .instance("assistant", "i")
+            .send("hi")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&error, ClientError::Protocol(text) if text.contains("no JSON")),
+            "{error:?}"
+        );
+        let mut posts = 0;
+        while let Ok(line) = lines.try_recv() {
+            posts += usize::from(line.starts_with("POST"));
+        }
+        assert_eq!(posts, 1);
+    }
+
     #[tokio::test]
     async fn an_answer_past_the_body_bound_is_refused_whether_declared_or_streamed() {
         // 64 bytes of JSON: declared by its length, then streamed in chunks without one.
@@ -2237,7 +2265,7 @@ mod tests {
             let bounded = Client::new(&base).unwrap().with_max_body_bytes(63);
             let error = bounded.catalog().await.unwrap_err();
             assert!(
-                matches!(&error, ClientError::Transport(text) if text.contains("larger than the client's bound of 63 bytes")),
+                matches!(&error, ClientError::Protocol(text) if text.contains("larger than the client's bound of 63 bytes")),
                 "{error:?}"
             );
             let fits = Client::new(&base)
