@@ -109,8 +109,10 @@ impl SandboxFactory for LocalSandboxFactory {
             tokio::fs::create_dir_all(&root).await.map_err(io)?;
             let real = tokio::fs::canonicalize(&root).await.map_err(io)?;
             // The root as configured too, when a link leads to it (see `Root::logical`).
+            // By its components: without a trailing slash, which `absolute` keeps.
             let logical = std::path::absolute(&root)
                 .ok()
+                .map(|logical| logical.components().collect::<PathBuf>())
                 .filter(|logical| *logical != real && logical.components().all(|part| part != Component::ParentDir));
             Ok(Arc::new(LocalSandbox {
                 root: Root { real, logical },
@@ -207,8 +209,9 @@ fn write_whole(root: &Root, path: &str, file: &mut std::fs::File, contents: &[u8
         && let Ok((dir, Some(name))) = walk_beneath(root, path, End::Parent)
         && let Ok(status) = beneath::status_at(&dir, &name)
         && same_file(&status, &opened)
+        && replace_at(&dir, &name, &status, |file| overwrite(file, contents, reserve))?
     {
-        return replace_at(&dir, &name, &status, |file| overwrite(file, contents, reserve));
+        return Ok(());
     }
     overwrite(file, contents, reserve)
 }
@@ -229,32 +232,50 @@ fn same_file(status: &libc::stat, opened: &std::fs::Metadata) -> bool {
 }
 
 /// Replaces the regular file `name` of `dir` (`status`) with a new one that `write` fills: made
-/// in `dir`, given the old one's owner (where this process may give it) and mode, then renamed
-/// over it. On failure the new file is removed and the old one is left as it was.
+/// in `dir` readable by this process's user alone until written, given the old one's owner
+/// (where this process may give it) and mode, then renamed over it. `Ok(false)`, nothing
+/// changed, when the new file cannot be made beside the old one or renamed over it (a
+/// directory this process may not write in, a sticky one, a file that is a mount point): the
+/// caller writes in place then, as it could before. A failed `write` removes the new file and
+/// leaves the old one as it was.
 #[cfg(unix)]
 fn replace_at(
     dir: &std::os::fd::OwnedFd,
     name: &std::ffi::OsStr,
     status: &libc::stat,
     write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
-) -> std::io::Result<()> {
+) -> std::io::Result<bool> {
     use std::os::unix::fs::PermissionsExt;
     static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let number = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let temporary = std::ffi::OsString::from(format!(".flue-write-{}-{number}.tmp", std::process::id()));
+    // The process id and a count name it apart from this process's others; the time, from one
+    // a process of the same id (a container's first, restarted) left behind.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_nanos());
+    let temporary = std::ffi::OsString::from(format!(".flue-write-{}-{number}-{nanos:x}.tmp", std::process::id()));
     let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-    let mut file = std::fs::File::from(beneath::open_at(Some(dir), &temporary, flags)?);
+    let Ok(created) = beneath::create_at(dir, &temporary, flags, 0o600) else {
+        return Ok(false);
+    };
+    let mut file = std::fs::File::from(created);
     let written = (|| {
         // The owner first: changing it may clear the mode's set-id bits.
         let _ = std::os::unix::fs::fchown(&file, Some(status.st_uid), Some(status.st_gid));
-        file.set_permissions(std::fs::Permissions::from_mode(u32::from(status.st_mode) & 0o7777))?;
         write(&mut file)?;
-        beneath::rename_at(dir, &temporary, name)
+        #[allow(clippy::useless_conversion)] // its type differs across targets
+        let mode = u32::from(status.st_mode) & 0o7777;
+        file.set_permissions(std::fs::Permissions::from_mode(mode))
     })();
-    if written.is_err() {
+    if let Err(error) = written {
         let _ = beneath::remove_at(dir, &temporary, false);
+        return Err(error);
     }
-    written
+    if beneath::rename_at(dir, &temporary, name).is_err() {
+        let _ = beneath::remove_at(dir, &temporary, false);
+        return Ok(false);
+    }
+    Ok(true)
 }
 
 /// Reserves the blocks of a file `length` bytes long (Linux's `fallocate`): a full disk or a
@@ -750,11 +771,20 @@ mod beneath {
     /// `openat(dir, name, flags)`; `dir` `None` is the working directory (for an absolute
     /// `name`, the root's own path).
     pub(super) fn open_at(dir: Option<&OwnedFd>, name: &OsStr, flags: libc::c_int) -> std::io::Result<OwnedFd> {
+        opened_at(dir, name, flags, 0o666)
+    }
+
+    /// `openat(dir, name, flags, mode)`: a file made with `mode` (`O_CREAT`).
+    pub(super) fn create_at(dir: &OwnedFd, name: &OsStr, flags: libc::c_int, mode: u32) -> std::io::Result<OwnedFd> {
+        opened_at(Some(dir), name, flags, mode)
+    }
+
+    fn opened_at(dir: Option<&OwnedFd>, name: &OsStr, flags: libc::c_int, mode: u32) -> std::io::Result<OwnedFd> {
         let name = c_name(name)?;
         let dir = dir.map_or(libc::AT_FDCWD, AsRawFd::as_raw_fd);
         // SAFETY: `name` is a NUL-terminated string alive for the call; `dir` is an open
         // descriptor (borrowed for the call) or AT_FDCWD; the mode is read only with O_CREAT.
-        let fd = unsafe { libc::openat(dir, name.as_ptr(), flags, 0o666 as libc::c_uint) };
+        let fd = unsafe { libc::openat(dir, name.as_ptr(), flags, mode as libc::c_uint) };
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -1596,7 +1626,11 @@ mod tests {
         let dirs = scratch("logical-root");
         let configured = dirs.base.join("configured");
         std::os::unix::fs::symlink(&dirs.root, &configured).unwrap();
-        let sandbox = LocalSandboxFactory::new(&configured).create_sandbox("i").await.unwrap();
+        // Configured with a trailing slash, as shell completion writes it.
+        let sandbox = LocalSandboxFactory::new(format!("{}/", configured.display()))
+            .create_sandbox("i")
+            .await
+            .unwrap();
         let printed = format!("{}/src/app.py", configured.display());
         sandbox.write_file(&printed, b"print(1)".to_vec()).await.unwrap();
         assert_eq!(
@@ -1652,6 +1686,8 @@ mod tests {
         let status = beneath::status_at(&dir, name).unwrap();
         let cut = |file: &mut std::fs::File| {
             use std::io::Write;
+            // Readable by this user alone while it is written (the old file's mode after).
+            assert_eq!(file.metadata()?.permissions().mode() & 0o777, 0o600);
             file.write_all(b"half of the new")?;
             Err(std::io::Error::from_raw_os_error(libc::ENOSPC))
         };
@@ -1659,6 +1695,17 @@ mod tests {
         assert_eq!(error.raw_os_error(), Some(libc::ENOSPC));
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
         assert_eq!(names(&dirs.root), ["notes.txt"], "the new file is removed");
+        // A replacement that cannot be renamed into place (here over a directory; a sticky
+        // directory or a mount point alike) changes nothing and says so: written in place then.
+        std::fs::create_dir(dirs.root.join("held")).unwrap();
+        std::fs::write(dirs.root.join("held/inside"), "").unwrap();
+        let held = beneath::status_at(&dir, std::ffi::OsStr::new("held")).unwrap();
+        let placed = replace_at(&dir, std::ffi::OsStr::new("held"), &held, |file| {
+            std::io::Write::write_all(file, b"x")
+        });
+        assert!(!placed.unwrap());
+        assert_eq!(names(&dirs.root), ["held", "notes.txt"], "nothing left beside it");
+        std::fs::remove_dir_all(dirs.root.join("held")).unwrap();
         // A link stays a link, and a file's links stay one file: both written in place.
         std::os::unix::fs::symlink("notes.txt", dirs.root.join("link.txt")).unwrap();
         std::fs::hard_link(&path, dirs.root.join("hard.txt")).unwrap();
