@@ -623,7 +623,7 @@ async fn a_wal_grown_by_one_large_commit_is_cut_back_after_its_restart() {
     let key = InstanceKey::new("assistant", "large");
     let store = SqliteStore::open(&path).unwrap();
     let wal = || std::fs::metadata(path.with_extension("db-wal")).unwrap().len();
-    let limit = SqliteStore::WAL_SIZE_LIMIT as u64;
+    let limit = SqliteStore::wal_size_limit(SqliteStore::PAGE_SIZE) as u64;
     store.admit(admission(&key, "l-1", &"x".repeat(8 << 20))).await.unwrap();
     assert!(wal() > limit, "the large commit's WAL is {} bytes", wal());
     // The large commit restarted the WAL; the next commits start it over and cut the file.

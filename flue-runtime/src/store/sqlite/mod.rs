@@ -900,7 +900,7 @@ fn ready<T: Send + 'static>(value: T) -> BoxFuture<'static, T> {
 impl SqliteStore {
     /// The WAL's length in frames (pages) at which a commit restarts it: the bound on its size
     /// (about 4 MiB of [`Self::PAGE_SIZE`] pages) between commits, beyond the frames of the
-    /// largest transaction (see [`Self::WAL_SIZE_LIMIT`]). The commit that restarts the WAL waits for
+    /// largest transaction (see [`Self::wal_size_limit`]). The commit that restarts the WAL waits for
     /// two fsyncs; a larger bound makes that rarer, but every commit until the WAL first wraps
     /// extends the file, and on ext4 an extending write costs more than overwriting the file in
     /// place. Measured with the `turn_overhead` benchmark at 4 KiB pages, 8,192 frames (32 MiB)
@@ -911,11 +911,15 @@ impl SqliteStore {
     pub const WAL_RESTART_FRAMES: i32 = 4000;
 
     /// The WAL's size in bytes past which the first commit after a restart cuts the file back
-    /// to it (`journal_size_limit`): [`Self::WAL_RESTART_FRAMES`] frames of a page and its
-    /// header, and the WAL's own header. One transaction larger than that (an admission
-    /// carrying a large image) still grows the WAL while it commits; without the limit the
-    /// file kept that size until the store closed.
-    pub const WAL_SIZE_LIMIT: i64 = Self::WAL_RESTART_FRAMES as i64 * (Self::PAGE_SIZE as i64 + 24) + 32;
+    /// to it (`journal_size_limit`), for a database of `page_size` pages (a database made by
+    /// an earlier build keeps its 4 KiB pages): [`Self::WAL_RESTART_FRAMES`] frames of a page
+    /// and its header, and the WAL's own header. The WAL reaches that size in every cycle, so
+    /// cutting it there costs nothing; one transaction larger than that (an admission carrying
+    /// a large image) still grows the WAL while it commits, and without the limit the file
+    /// kept that size until the store closed.
+    pub fn wal_size_limit(page_size: u32) -> i64 {
+        i64::from(Self::WAL_RESTART_FRAMES) * (i64::from(page_size) + 24) + 32
+    }
 
     /// The page size of a database this store creates, in bytes (SQLite's default is 4 KiB; a
     /// database created with another size keeps it). A commit writes each page it changed
@@ -1000,10 +1004,13 @@ impl SqliteStore {
         // The format is checked before anything else changes the file: a database this build
         // refuses is left exactly as it was, its journal mode included.
         migrate(&mut connection)?;
+        let page_size: u32 = connection
+            .query_row("PRAGMA page_size", [], |row| row.get(0))
+            .map_err(sql)?;
         connection
             .execute_batch(&format!(
                 "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA journal_size_limit = {};",
-                SqliteStore::WAL_SIZE_LIMIT
+                SqliteStore::wal_size_limit(page_size)
             ))
             .map_err(sql)?;
         connection.set_prepared_statement_cache_capacity(64);
@@ -2305,10 +2312,14 @@ mod tests {
     }
 
     fn page_size(store: &SqliteStore) -> i64 {
+        pragma(store, "page_size")
+    }
+
+    fn pragma(store: &SqliteStore, name: &str) -> i64 {
         store
             .lock()
             .connection
-            .query_row("PRAGMA page_size", [], |row| row.get(0))
+            .query_row(&format!("PRAGMA {name}"), [], |row| row.get(0))
             .unwrap()
     }
 
@@ -2338,6 +2349,12 @@ mod tests {
         drop(connection);
         let store = SqliteStore::open(&path).unwrap();
         assert_eq!(page_size(&store), 4096);
+        // Its WAL is cut back at the size its pages make in a cycle, not at the small pages'.
+        assert_eq!(pragma(&store, "journal_size_limit"), SqliteStore::wal_size_limit(4096));
+        assert_eq!(
+            pragma(&fresh, "journal_size_limit"),
+            SqliteStore::wal_size_limit(SqliteStore::PAGE_SIZE)
+        );
         let kept = futures_util::FutureExt::now_or_never(store.submission("s-1"))
             .unwrap()
             .unwrap();
