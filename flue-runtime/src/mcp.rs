@@ -365,8 +365,12 @@ impl Answered {
         Self(client)
     }
 
-    fn answered(posted: PostResult) -> PostResult {
+    /// `posted`, the answer to `message`: an error for no request fails it when `message` is
+    /// a request (a notification's answer is no request's; rmcp sends the first one,
+    /// `notifications/initialized`, and fails the connection when its POST fails).
+    fn answered(message_is_request: bool, posted: PostResult) -> PostResult {
         match posted {
+            posted if !message_is_request => posted,
             Ok(StreamableHttpPostResponse::Json(
                 rmcp::model::ServerJsonRpcMessage::Error(rmcp::model::JsonRpcError { id: None, error, .. }),
                 _,
@@ -389,10 +393,11 @@ impl StreamableHttpClient for Answered {
         auth_header: Option<String>,
         custom_headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
     ) -> impl Future<Output = PostResult> + Send + '_ {
+        let request = matches!(message, rmcp::model::JsonRpcMessage::Request(_));
         let posted = self
             .0
             .post_message(uri, message, session_id, auth_header, custom_headers);
-        async move { Self::answered(posted.await) }
+        async move { Self::answered(request, posted.await) }
     }
 
     fn post_message_with_response_limits(
@@ -404,10 +409,11 @@ impl StreamableHttpClient for Answered {
         custom_headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
         limits: StreamableHttpResponseLimits,
     ) -> impl Future<Output = PostResult> + Send + '_ {
+        let request = matches!(message, rmcp::model::JsonRpcMessage::Request(_));
         let posted =
             self.0
                 .post_message_with_response_limits(uri, message, session_id, auth_header, custom_headers, limits);
-        async move { Self::answered(posted.await) }
+        async move { Self::answered(request, posted.await) }
     }
 
     fn delete_session(
@@ -1290,6 +1296,28 @@ pub(crate) fn unavailable_body(unavailable: &[Unavailable]) -> String {
 #[allow(clippy::unwrap_used)] // tests assert by unwrapping
 mod tests {
     use super::*;
+
+    /// An error reply for no request fails the POST of a request (its request would wait out
+    /// its timeout), and is left as it is for a notification's (rmcp fails the connection
+    /// when the POST of `notifications/initialized` fails).
+    #[test]
+    fn an_error_for_no_request_fails_only_a_requests_post() {
+        let reply = || {
+            let error = rmcp::model::ErrorData::new(rmcp::model::ErrorCode(-32601), "Method not found", None);
+            Ok(StreamableHttpPostResponse::Json(
+                rmcp::model::ServerJsonRpcMessage::Error(rmcp::model::JsonRpcError::new(None, error)),
+                None,
+            ))
+        };
+        assert!(matches!(
+            Answered::answered(true, reply()),
+            Err(StreamableHttpError::UnexpectedServerResponse(message)) if message.contains("Method not found")
+        ));
+        assert!(matches!(
+            Answered::answered(false, reply()),
+            Ok(StreamableHttpPostResponse::Json(..))
+        ));
+    }
 
     /// OpenAI refuses a tool declaring an array without `items` in every request: an array a
     /// server's schema leaves open, anywhere in it, is declared as an array of any value, and
