@@ -1102,6 +1102,8 @@ impl Conversation {
         if std::mem::take(&mut self.step_deleted) {
             self.edited = true;
         }
+        // The settled steps' values go (counted when they were recorded).
+        self.weight = self.weight.saturating_sub(self.steps_weight());
         self.tool_steps.clear();
         let outcomes = std::mem::take(&mut self.outcomes);
         for call in std::mem::take(&mut self.open_calls) {
@@ -1610,6 +1612,15 @@ impl Conversation {
         self.weight
     }
 
+    /// What the settled steps of the uncommitted batch weigh, as [`record_weight`] counts them.
+    fn steps_weight(&self) -> usize {
+        self.tool_steps
+            .iter()
+            .flat_map(|(call, steps)| steps.iter().map(move |(name, value)| (call, name, value)))
+            .map(|(call, name, value)| RECORD_WEIGHT + call.len() + name.len() + value_weight(value))
+            .sum()
+    }
+
     /// [`Self::weight`] counted from what the fold holds now.
     fn recount_weight(&mut self) {
         let messages: usize = self
@@ -1633,12 +1644,7 @@ impl Conversation {
             .sum();
         // Settled steps of an uncommitted batch, and the ids of every call that left the
         // history (kept for the conversation's life: a compaction does not shrink them).
-        let steps: usize = self
-            .tool_steps
-            .iter()
-            .flat_map(|(call, steps)| steps.iter().map(move |(name, value)| (call, name, value)))
-            .map(|(call, name, value)| RECORD_WEIGHT + call.len() + name.len() + value_weight(value))
-            .sum();
+        let steps = self.steps_weight();
         let retired: usize = self.retired_call_ids.iter().map(|id| NODE_WEIGHT + id.len()).sum();
         self.weight = RECORD_WEIGHT * self.rows.len()
             + messages
@@ -2982,6 +2988,84 @@ mod tests {
         assert!(
             conversation.weight() > retired,
             "a weight of {} with {retired} bytes of retired ids",
+            conversation.weight()
+        );
+    }
+
+    /// A durable call's settled steps weigh while their batch is open and stop weighing once it
+    /// commits (they are dropped then). (Regression: counted when recorded, they were never
+    /// taken off until a compaction recounted, and pushed the conversation out of the cache.)
+    #[test]
+    fn settled_steps_weigh_until_their_batch_commits() {
+        let mut conversation = Conversation::default();
+        let step = [
+            RecordBody::UserMessage {
+                message_id: "user-0".into(),
+                body: "fetch it".into(),
+                attachments: Vec::new(),
+            },
+            RecordBody::AssistantMessageStarted {
+                message_id: "step-0".into(),
+                model: "scripted/x".into(),
+                turn_id: None,
+                response_metadata: None,
+            },
+            RecordBody::AssistantToolCall {
+                message_id: "step-0".into(),
+                tool_call_id: "call-0".into(),
+                name: "fetch".into(),
+                arguments: "{}".into(),
+            },
+            RecordBody::AssistantMessageCompleted {
+                message_id: "step-0".into(),
+                text: String::new(),
+                reasoning: String::new(),
+                stop_reason: StopReason::ToolUse,
+                usage: Default::default(),
+                reasoning_blocks: Vec::new(),
+            },
+        ];
+        conversation.apply(&Batch {
+            offset: 0,
+            records: step.into_iter().map(record).collect(),
+        });
+        let before = conversation.weight();
+        let settled = RecordBody::ToolStepSettled {
+            tool_call_id: "call-0".into(),
+            tool_name: "fetch".into(),
+            step_name: "download".into(),
+            value: serde_json::json!("d".repeat(100_000)),
+        };
+        conversation.apply(&Batch {
+            offset: 1,
+            records: [record(settled)].into(),
+        });
+        assert!(
+            conversation.weight() >= before + 100_000,
+            "the open batch's step weighs"
+        );
+        let commit = [
+            RecordBody::ToolOutcome {
+                output: None,
+                assistant_message_id: "step-0".into(),
+                tool_call_id: "call-0".into(),
+                tool_name: "fetch".into(),
+                is_error: false,
+                content: "fetched".into(),
+                terminate: false,
+                duration_ms: 0,
+            },
+            RecordBody::ToolResultsCommitted {
+                assistant_message_id: "step-0".into(),
+            },
+        ];
+        conversation.apply(&Batch {
+            offset: 2,
+            records: commit.into_iter().map(record).collect(),
+        });
+        assert!(
+            conversation.weight() < before + 10_000,
+            "a weight of {} after the commit, {before} before the step",
             conversation.weight()
         );
     }
