@@ -187,9 +187,10 @@ impl Feed {
 }
 
 impl State {
-    /// Holds room for the fold as it is now: false when the router has not that much left.
+    /// Holds room for the fold as it is now, and no more: false when the router has not that
+    /// much left.
     fn hold_room(&mut self, folds: &FoldRoom) -> bool {
-        folds.hold(&mut self.room, self.projection.weight())
+        folds.fit(&mut self.room, self.projection.weight())
     }
 
     /// Back to a feed not started, holding nothing: its next reader starts it again.

@@ -180,7 +180,9 @@ pub struct HttpOptions {
     /// client takes bytes. A JSON, long-poll or `view=history` read that the cache does not
     /// serve holds its fold while it is made and answered, and so does the read that fills an
     /// instance's cache entry (readers who come at once wait for that one, and read what it
-    /// made). One that finds no room is answered 503 `server_busy` (with `Retry-After`), before
+    /// made). An instance's live feed holds its fold here too, for as long as the instance is
+    /// followed (the room of the reader it took over, which lets its own go). One that finds
+    /// no room is answered 503 `server_busy` (with `Retry-After`), before
     /// it reads any batch; an SSE reader whose fold outgrows the room left ends its response
     /// (its client resumes from its last offset). A fold larger than the whole room takes all
     /// of it, once the others are done. Shared by the agents of one [`router_with`]; each

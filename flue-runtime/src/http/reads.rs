@@ -226,6 +226,24 @@ impl FoldRoom {
     }
 }
 
+impl FoldRoom {
+    /// Makes `held` hold room for `bytes` as [`Self::hold`] does, and gives back what it held
+    /// beyond that (a live feed that took over a reader's room, which counted the page it had
+    /// just sent too; a fold a reset made smaller): false when there is not that much left.
+    pub(super) fn fit(&self, held: &mut Option<OwnedSemaphorePermit>, bytes: usize) -> bool {
+        if !self.hold(held, bytes) {
+            return false;
+        }
+        let wanted = usize::try_from(u32::try_from(bytes).unwrap_or(u32::MAX).min(self.whole)).unwrap_or(usize::MAX);
+        if let Some(permit) = held
+            && permit.num_permits() > wanted
+        {
+            drop(permit.split(permit.num_permits() - wanted));
+        }
+        true
+    }
+}
+
 /// The bytes a reader holding `own` and `pending` is counted for.
 fn reader_bytes(own: Option<&Projection>, pending: &[Batch]) -> usize {
     own.map_or(0, Projection::weight) + pending.iter().map(batch_weight).sum::<usize>()
@@ -530,7 +548,7 @@ impl SseStream {
     }
 
     fn warn_busy(&self) {
-        tracing::warn!(instance = %self.key, "an SSE stream ended: catching-up readers hold all the room max_reader_fold_bytes gives");
+        tracing::warn!(instance = %self.key, "an SSE stream ended: readers' folds and live feeds hold all the room max_reader_fold_bytes gives");
     }
 
     /// Holds room for this reader's own fold and pending page, or lets it go once it has
@@ -878,6 +896,25 @@ pub(super) async fn get_attachment(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `fit` holds exactly what is asked: more taken from the room, or what was held beyond it
+    /// given back (a live feed keeps no room for the page its reader had just sent).
+    #[test]
+    fn a_fitted_hold_gives_back_what_it_held_beyond_what_is_asked() {
+        let room = FoldRoom::new(100);
+        let mut held = None;
+        assert!(room.hold(&mut held, 80));
+        assert!(room.fit(&mut held, 30));
+        assert_eq!(held.as_ref().map(OwnedSemaphorePermit::num_permits), Some(30));
+        assert_eq!(room.room.available_permits(), 70);
+        assert!(room.fit(&mut held, 50));
+        assert_eq!(room.room.available_permits(), 50);
+        // More than the whole room: all of it, as `hold`.
+        assert!(room.fit(&mut held, 151));
+        assert_eq!(room.room.available_permits(), 0);
+        drop(held);
+        assert_eq!(room.room.available_permits(), 100);
+    }
 
     #[test]
     fn offsets_parse_as_the_protocol_writes_them_and_nothing_else() {
