@@ -176,8 +176,8 @@ const DEFAULT_MAX_EVENT_BYTES: usize = DEFAULT_MAX_BODY_BYTES;
 /// [`Client::with_reconnect_limit`]).
 const DEFAULT_RECONNECT_LIMIT: u32 = 10;
 
-/// How long a connection must stay up to count as made, whatever it brought: two of the
-/// server's heartbeat intervals (see [`Follow::stable`]).
+/// How long after it was made a connection must still bring bytes to count as made: two of
+/// the server's heartbeat intervals (see [`Follow::stable`]).
 const STABLE_CONNECTION: Duration = Duration::from_secs(30);
 
 /// A connection to a server of the protocol.
@@ -1043,8 +1043,9 @@ impl Follow {
         self.failed(error);
     }
 
-    /// How long a connection must stay up to count as made, whatever it brought:
-    /// [`STABLE_CONNECTION`], or two thirds of the idle timeout when that is shorter.
+    /// How long after it was made a connection must still bring bytes (heartbeats, at least)
+    /// to count as made: [`STABLE_CONNECTION`], or two thirds of the idle timeout when that is
+    /// shorter.
     fn stable(&self) -> Duration {
         STABLE_CONNECTION.min(self.instance.client.idle_timeout.saturating_mul(2) / 3)
     }

@@ -593,13 +593,15 @@ impl ThreadStateApi for RuntimeThread {
             // role, its status, is not), for the hooks after it and the caller. The row is
             // stored: a failed read back of it is no failure of the call (one the caller tried
             // again would store it twice), and the row as written stands in.
-            let row = self
+            let row = match self
                 .writer
                 .with_fold(|conversation| conversation.find_row(&row.id))
                 .await
-                .ok()
-                .flatten()
-                .unwrap_or(row);
+            {
+                Ok(Some(stored)) => stored,
+                // As stored: a tool row is injected as a user's.
+                _ => Message { role, ..row },
+            };
             chain::after_create_message(&hooks, &state, &row).await;
             Ok(row)
         })
