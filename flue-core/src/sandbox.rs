@@ -63,6 +63,13 @@ pub trait Sandbox: Send + Sync + 'static {
     fn real_path(&self, path: &str) -> BoxFuture<'_, Result<String, SandboxError>> {
         Box::pin(std::future::ready(Ok(path.to_owned())))
     }
+    /// What names the files this environment acts on, the same for the environments of other
+    /// submissions (or instances) acting on the same files: the tools serialize writes and
+    /// edits of one file across all of them by it (a local directory: its real path). `None`
+    /// (the default): only within one submission.
+    fn files_identity(&self) -> Option<String> {
+        None
+    }
     /// Creates or replaces a file (creating parent directories).
     fn write_file(&self, path: &str, contents: Vec<u8>) -> BoxFuture<'_, Result<(), SandboxError>>;
     /// Removes a file or an empty directory.

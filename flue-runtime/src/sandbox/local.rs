@@ -1373,6 +1373,10 @@ fn descendant_groups(root: libc::pid_t) -> std::collections::BTreeMap<libc::pid_
 }
 
 impl Sandbox for LocalSandbox {
+    fn files_identity(&self) -> Option<String> {
+        Some(format!("local:{}", self.root.real.display()))
+    }
+
     fn read_file(&self, path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
         let this = self.clone();
         let shown = path.to_owned();

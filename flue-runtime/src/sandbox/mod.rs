@@ -32,9 +32,10 @@
 //!   2000 lines / 50 KB (the end), `grep` 100 matches of at most 500 characters per line,
 //!   `glob` 1000 paths, `edit` files (before and after the edit) of at most 16 MB; `grep` and
 //!   `glob` walk at most 20,000 files and directories (and say so when they stop there).
-//!   Writes and edits of one file by a submission (and its delegates) run one at a time,
-//!   each to its end once started, even when the response is aborted meanwhile. (Submissions
-//!   of several instances sharing one local directory do not wait for each other's.)
+//!   Writes and edits of one file run one at a time, each to its end once started, even when
+//!   the response is aborted meanwhile: within a submission and its delegates, and across
+//!   the submissions (of any instance) acting on the same local directory or in-memory
+//!   workspace.
 //! - `read` and `grep` read a file a piece at a time ([`Sandbox::read_file_with`]), only as
 //!   far as they can show: `read` stops 1 MB past its window (a marker then counts "more
 //!   than" the lines seen, and only what was read is checked to be UTF-8) and skips at most
@@ -180,22 +181,56 @@ pub(crate) fn join(cwd: &str, path: &str) -> Result<String, SandboxError> {
     })
 }
 
+/// The per-file locks that serialize writes and edits, by the file's real path.
+pub(crate) type FileLocks = Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>;
+
+/// The file locks of every environment whose files have an identity
+/// ([`Sandbox::files_identity`]), while a session or a write holds them.
+static FILE_LOCKS: Mutex<
+    Vec<(
+        String,
+        std::sync::Weak<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
+    )>,
+> = Mutex::new(Vec::new());
+
+/// The file locks of the files `identity` names (shared by every session acting on them), or
+/// new ones for a session of its own.
+fn file_locks(identity: Option<String>) -> FileLocks {
+    let Some(identity) = identity else {
+        return FileLocks::default();
+    };
+    let mut all = FILE_LOCKS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    all.retain(|(_, locks)| locks.strong_count() > 0);
+    if let Some(locks) = all
+        .iter()
+        .find(|(held, _)| *held == identity)
+        .and_then(|(_, locks)| locks.upgrade())
+    {
+        return locks;
+    }
+    let locks = FileLocks::default();
+    all.push((identity, Arc::downgrade(&locks)));
+    locks
+}
+
 /// One submission's environment: the sandbox, the working directory, and the per-file locks
 /// that serialize writes and edits.
 pub(crate) struct SandboxSession {
     pub(crate) sandbox: Arc<dyn Sandbox>,
     pub(crate) cwd: String,
     /// Shared with the sessions scoped from this one (a delegate's writes to a file wait for
-    /// the parent's).
-    locks: Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
+    /// the parent's), and with the sessions of other submissions acting on the same files
+    /// (see [`Sandbox::files_identity`]).
+    pub(crate) locks: FileLocks,
 }
 
 impl SandboxSession {
     pub(crate) fn new(sandbox: Arc<dyn Sandbox>, cwd: Option<&str>) -> Result<Self, SandboxError> {
+        let locks = file_locks(sandbox.files_identity());
         Ok(Self {
             sandbox,
             cwd: normalize(cwd.unwrap_or("/"))?,
-            locks: Arc::default(),
+            locks,
         })
     }
 

@@ -609,17 +609,20 @@ fn write(session: &SandboxSession, args: WriteArgs) -> BoxFuture<'_, ToolOutput>
 /// Writes `contents` at `path` holding the file's lock (`guard`) until the write has ended,
 /// even when the tool is dropped meanwhile (an abort, a deadline): the write goes on to its
 /// end (a local sandbox's runs on a blocking thread, which nothing stops), and the next write
-/// of the file waits for it, not only for the tool that started it.
+/// of the file waits for it, not only for the tool that started it (also in the next
+/// submission, whose session shares the locks: see [`Sandbox::files_identity`]).
 async fn write_holding(
     session: &SandboxSession,
     path: &str,
     contents: Vec<u8>,
     guard: tokio::sync::OwnedMutexGuard<()>,
 ) -> Result<(), SandboxError> {
-    let (sandbox, path) = (session.sandbox.clone(), path.to_owned());
+    // The locks too: a session that starts once this one's are gone would make new ones.
+    let (sandbox, path, locks) = (session.sandbox.clone(), path.to_owned(), session.locks.clone());
     let write = tokio::spawn(async move {
         let written = sandbox.write_file(&path, contents).await;
         drop(guard);
+        drop(locks);
         written
     });
     write
@@ -1090,11 +1093,16 @@ mod tests {
         fn exec(&self, _: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
             Box::pin(std::future::ready(Err(SandboxError::Unsupported("commands"))))
         }
+
+        fn files_identity(&self) -> Option<String> {
+            Some(format!("slow:{:p}", std::ptr::from_ref(self)))
+        }
     }
 
     /// A write whose tool is dropped (an abort) holds its file's lock until the write itself
-    /// ends: the next write of the file starts after it, not beside it. (Regression: the lock
-    /// went with the tool, while a local sandbox's blocking write went on.)
+    /// ends: the next write of the file, by the next submission, starts after it, not beside
+    /// it. (Regression: the lock went with the tool, while a local sandbox's blocking write
+    /// went on; and each submission had locks of its own.)
     #[tokio::test]
     async fn a_write_dropped_mid_way_holds_its_files_lock_until_the_write_ends() {
         let sandbox = Arc::new(SlowWrites {
@@ -1115,7 +1123,10 @@ mod tests {
             }
         }
         drop(first);
-        let mut second = write(&session, args("second"));
+        drop(session);
+        // The next submission's session, over the same files.
+        let next = SandboxSession::new(sandbox.clone(), None).unwrap();
+        let mut second = write(&next, args("second"));
         tokio::select! {
             _ = &mut second => panic!("the second write ended before the first"),
             () = tokio::time::sleep(std::time::Duration::from_millis(50)) => {}

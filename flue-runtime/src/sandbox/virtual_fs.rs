@@ -213,6 +213,11 @@ impl VirtualSandbox {
 }
 
 impl Sandbox for VirtualSandbox {
+    fn files_identity(&self) -> Option<String> {
+        // One workspace per instance, shared by its submissions.
+        Some(format!("virtual:{:p}", std::ptr::from_ref(self)))
+    }
+
     fn read_file(&self, path: &str) -> BoxFuture<'_, Result<Vec<u8>, SandboxError>> {
         let result =
             normalize(path).and_then(|path| self.files().get(&path).cloned().ok_or(SandboxError::NotFound(path)));
