@@ -182,16 +182,14 @@ pub(crate) fn join(cwd: &str, path: &str) -> Result<String, SandboxError> {
 }
 
 /// The per-file locks that serialize writes and edits, by the file's real path.
-pub(crate) type FileLocks = Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>;
+type LockMap = Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>;
+
+/// A session's [`LockMap`], shared.
+pub(crate) type FileLocks = Arc<LockMap>;
 
 /// The file locks of every environment whose files have an identity
 /// ([`Sandbox::files_identity`]), while a session or a write holds them.
-static FILE_LOCKS: Mutex<
-    Vec<(
-        String,
-        std::sync::Weak<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
-    )>,
-> = Mutex::new(Vec::new());
+static FILE_LOCKS: Mutex<Vec<(String, std::sync::Weak<LockMap>)>> = Mutex::new(Vec::new());
 
 /// The file locks of the files `identity` names (shared by every session acting on them), or
 /// new ones for a session of its own.
