@@ -1723,6 +1723,16 @@ mod tests {
         }
     }
 
+    /// The error of sending `hi` to an instance of the server at `base`.
+    async fn refused_send(base: &str) -> ClientError {
+        Client::new(base)
+            .unwrap()
+            .instance("assistant", "i")
+            .send("hi")
+            .await
+            .unwrap_err()
+    }
+
     /// An admission the client did not see admitted is an error, never a receipt: a POST a
     /// proxy redirects (which a client following it would resend as a GET, without its
     /// body), and a success that is not a receipt (a base URL of another JSON API).
@@ -1733,12 +1743,7 @@ mod tests {
              content-length: 0\r\nconnection: close\r\n\r\n",
         )
         .await;
-        let error = Client::new(redirected)
-            .unwrap()
-            .instance("assistant", "i")
-            .send("hi")
-            .await
-            .unwrap_err();
+        let error = refused_send(&redirected).await;
         let text = error.to_string();
         assert!(matches!(error, ClientError::Protocol(_)), "{error:?}");
         assert!(
@@ -1751,12 +1756,7 @@ mod tests {
              connection: close\r\n\r\n{\"v\": 1}",
         )
         .await;
-        let error = Client::new(other_api)
-            .unwrap()
-            .instance("assistant", "i")
-            .send("hi")
-            .await
-            .unwrap_err();
+        let error = refused_send(&other_api).await;
         assert!(
             matches!(&error, ClientError::Protocol(text) if text.contains("without a receipt")),
             "{error:?}"
@@ -1772,12 +1772,7 @@ mod tests {
             body.len()
         )))
         .await;
-        let error = Client::new(huge)
-            .unwrap()
-            .instance("assistant", "i")
-            .send("hi")
-            .await
-            .unwrap_err();
+        let error = refused_send(&huge).await;
         assert!(
             matches!(&error, ClientError::Protocol(text) if text.contains("no stream offset")),
             "{error:?}"
@@ -2237,12 +2232,7 @@ mod tests {
         const NOT_JSON: &str = "HTTP/1.1 202 Accepted\r\ncontent-type: text/html\r\ncontent-length: 9\r\n\
              connection: close\r\n\r\n<html/>..";
         let (base, mut lines) = recording(NOT_JSON).await;
-        let error = Client::new(&base)
-            .unwrap()
-            .instance("assistant", "i")
-            .send("hi")
-            .await
-            .unwrap_err();
+        let error = refused_send(&base).await;
         assert!(
             matches!(&error, ClientError::Protocol(text) if text.contains("no JSON")),
             "{error:?}"

@@ -120,6 +120,11 @@ impl Payload {
         !self.whole && (self.parts.len() > 1 || self.len > WATCHED_ABOVE)
     }
 
+    /// Whether the body goes in watched frames ([`Self::to_body`]).
+    pub(crate) fn watched(&self) -> bool {
+        !self.whole && self.len > WATCHED_ABOVE
+    }
+
     /// The body in one part (copied): one reqwest can send again to follow a redirect.
     pub(crate) fn joined(&self) -> Self {
         Self {
@@ -133,11 +138,12 @@ impl Payload {
     /// `Content-Length`).
     ///
     /// A body longer than [`WATCHED_ABOVE`] (a conversation with images, say) goes in frames of
-    /// at most [`WATCHED_FRAME`] bytes, each marking `progress` as the connection takes it: on a
+    /// at most [`WATCHED_FRAME`] bytes, each marking `progress` (when given) as the connection
+    /// takes it: on a
     /// slow uplink its upload takes a while, and the time allowed for the answer to start
     /// counts from the last frame taken, not from the call. A [joined](Self::joined) body goes
     /// as it is, in one part reqwest can send again.
-    pub(crate) fn to_body(&self, progress: &Progress) -> reqwest::Body {
+    pub(crate) fn to_body(&self, progress: Option<&Progress>) -> reqwest::Body {
         match self.parts.as_slice() {
             [] => reqwest::Body::from(Bytes::new()),
             [one] if self.whole || self.len <= WATCHED_ABOVE => reqwest::Body::from(one.clone()),
@@ -149,7 +155,7 @@ impl Payload {
             parts => reqwest::Body::wrap(Parts {
                 parts: parts.iter().flat_map(framed).collect(),
                 remaining: self.len as u64,
-                progress: Some(progress.clone()),
+                progress: progress.cloned(),
             }),
         }
     }
@@ -280,17 +286,12 @@ mod tests {
         assert_eq!(payload.len(), whole.len());
         assert_eq!(payload.parts().len(), 4, "two written, two shared");
         assert_eq!(payload.parts()[1].as_ptr(), kept[0].as_ptr(), "shared, not copied");
-        let body = payload.to_body(&Progress::new());
+        let body = payload.to_body(None);
         assert_eq!(http_body::Body::size_hint(&body).exact(), Some(whole.len() as u64));
         let collected = body.collect().await.expect("infallible").to_bytes();
         assert_eq!(collected.as_ref(), whole.as_bytes());
         // And again, for a retried call.
-        let again = payload
-            .to_body(&Progress::new())
-            .collect()
-            .await
-            .expect("infallible")
-            .to_bytes();
+        let again = payload.to_body(None).collect().await.expect("infallible").to_bytes();
         assert_eq!(again, collected);
     }
 
@@ -306,7 +307,8 @@ mod tests {
         assert!(payload.in_parts());
         let progress = Progress::new();
         let started = progress.last();
-        let mut body = payload.to_body(&progress);
+        assert!(payload.watched());
+        let mut body = payload.to_body(Some(&progress));
         assert_eq!(http_body::Body::size_hint(&body).exact(), Some(whole.len() as u64));
         let mut frames = Vec::new();
         while let Some(frame) = body.frame().await {
@@ -325,7 +327,8 @@ mod tests {
         // Joined (to follow a redirect), it goes in one part reqwest can send again.
         let joined = payload.joined();
         assert!(!joined.in_parts());
-        let body = joined.to_body(&Progress::new());
+        assert!(!joined.watched());
+        let body = joined.to_body(None);
         assert!(body.as_bytes().is_some_and(|bytes| bytes == whole.as_bytes()));
     }
 

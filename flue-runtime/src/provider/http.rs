@@ -678,8 +678,11 @@ async fn started(
     payload: &Payload,
     timeout: Duration,
 ) -> Result<reqwest::Result<reqwest::Response>, tokio::time::error::Elapsed> {
+    if !payload.watched() {
+        return tokio::time::timeout(timeout, request.body(payload.to_body(None)).send()).await;
+    }
     let progress = super::body::Progress::new();
-    let attempt = request.body(payload.to_body(&progress)).send();
+    let attempt = request.body(payload.to_body(Some(&progress))).send();
     tokio::pin!(attempt);
     let deadline = || progress.last().checked_add(timeout);
     loop {

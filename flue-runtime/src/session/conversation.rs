@@ -2836,6 +2836,38 @@ mod tests {
     }
 
     /// Adds an exchange in which the model calls a tool, reads its result and answers.
+    /// The records of a user's message `user` and a step `step` that calls `tool` (call id
+    /// `call`), completed: its batch open.
+    fn open_tool_step(user: &str, body: &str, step: &str, call: &str, tool: &str) -> Vec<RecordBody> {
+        vec![
+            RecordBody::UserMessage {
+                message_id: user.into(),
+                body: body.into(),
+                attachments: Vec::new(),
+            },
+            RecordBody::AssistantMessageStarted {
+                message_id: step.into(),
+                model: "scripted/x".into(),
+                turn_id: None,
+                response_metadata: None,
+            },
+            RecordBody::AssistantToolCall {
+                message_id: step.into(),
+                tool_call_id: call.into(),
+                name: tool.into(),
+                arguments: "{}".into(),
+            },
+            RecordBody::AssistantMessageCompleted {
+                message_id: step.into(),
+                text: String::new(),
+                reasoning: String::new(),
+                stop_reason: StopReason::ToolUse,
+                usage: Default::default(),
+                reasoning_blocks: Vec::new(),
+            },
+        ]
+    }
+
     fn tool_exchange(conversation: &mut Conversation, exchange: usize) {
         let (step, answer) = (format!("step-{exchange}"), format!("answer-{exchange}"));
         let records = [
@@ -2998,33 +3030,7 @@ mod tests {
     #[test]
     fn settled_steps_weigh_until_their_batch_commits() {
         let mut conversation = Conversation::default();
-        let step = [
-            RecordBody::UserMessage {
-                message_id: "user-0".into(),
-                body: "fetch it".into(),
-                attachments: Vec::new(),
-            },
-            RecordBody::AssistantMessageStarted {
-                message_id: "step-0".into(),
-                model: "scripted/x".into(),
-                turn_id: None,
-                response_metadata: None,
-            },
-            RecordBody::AssistantToolCall {
-                message_id: "step-0".into(),
-                tool_call_id: "call-0".into(),
-                name: "fetch".into(),
-                arguments: "{}".into(),
-            },
-            RecordBody::AssistantMessageCompleted {
-                message_id: "step-0".into(),
-                text: String::new(),
-                reasoning: String::new(),
-                stop_reason: StopReason::ToolUse,
-                usage: Default::default(),
-                reasoning_blocks: Vec::new(),
-            },
-        ];
+        let step = open_tool_step("user-0", "fetch it", "step-0", "call-0", "fetch");
         conversation.apply(&Batch {
             offset: 0,
             records: step.into_iter().map(record).collect(),
@@ -3078,33 +3084,7 @@ mod tests {
     fn a_step_deleted_while_its_batch_runs_leaves_its_results_dropped_from_requests() {
         let mut conversation = Conversation::default();
         tool_exchange(&mut conversation, 0);
-        let records = [
-            RecordBody::UserMessage {
-                message_id: "user-1".into(),
-                body: "clear the chat".into(),
-                attachments: Vec::new(),
-            },
-            RecordBody::AssistantMessageStarted {
-                message_id: "step-1".into(),
-                model: "scripted/x".into(),
-                turn_id: None,
-                response_metadata: None,
-            },
-            RecordBody::AssistantToolCall {
-                message_id: "step-1".into(),
-                tool_call_id: "call-1".into(),
-                name: "clear".into(),
-                arguments: "{}".into(),
-            },
-            RecordBody::AssistantMessageCompleted {
-                message_id: "step-1".into(),
-                text: String::new(),
-                reasoning: String::new(),
-                stop_reason: StopReason::ToolUse,
-                usage: Default::default(),
-                reasoning_blocks: Vec::new(),
-            },
-        ];
+        let records = open_tool_step("user-1", "clear the chat", "step-1", "call-1", "clear");
         conversation.apply(&Batch {
             offset: 1,
             records: records.into_iter().map(record).collect(),
